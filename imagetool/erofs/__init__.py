@@ -1,0 +1,1 @@
+"""EROFS filesystem images: a writer and a pure-Python reader."""

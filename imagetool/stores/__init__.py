@@ -1,0 +1,1 @@
+"""Storage backends for block images, chosen by URL."""

@@ -1,0 +1,84 @@
+"""The store interface: where block images live.
+
+A store holds content-addressed blobs (the index and the data blob of each image, named by
+sha256) and tags (``name:tag`` -> index digest). Every backend supports ranged reads, which is
+all the snapshotter needs at run time. A ``Store`` object is bound to one image *name* (for a
+registry, one repository); blobs may be shared between names where the backend allows it.
+
+Publishing is ordered so that a reader never sees a half-written image: blobs first (each
+written under a temporary name and moved into place, or verified by the server), the tag last.
+Backend errors are mapped to ``imagetool.errors`` inside each backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Connection options shared by all backends (parsed once at the CLI edge)."""
+
+    plain_http: bool = False  # registry over http://; only meant for loopback tests
+    timeout: float = 30.0  # seconds per request
+    retries: int = 3  # attempts after the first for idempotent reads
+    docker_config: Path | None = None  # default: $DOCKER_CONFIG/config.json or ~/.docker/...
+
+
+class Store(ABC):
+    """One image name in one store."""
+
+    url: str  # the store's own reference, e.g. "/srv/images", "s3://b/p", "docker://h/r"
+    name: str
+
+    # --- blobs ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def has_blob(self, digest: str) -> bool: ...
+
+    @abstractmethod
+    def blob_size(self, digest: str) -> int:
+        """Size in bytes; ``NotFoundError`` if absent."""
+
+    @abstractmethod
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` of a blob (``StoreError`` if short)."""
+
+    def read_blob(self, digest: str) -> bytes:
+        """A whole (small) blob, verified against its digest."""
+        from imagetool.errors import DigestMismatchError
+        from imagetool.format import sha256_digest
+
+        data = self.read_range(digest, 0, self.blob_size(digest))
+        if sha256_digest(data) != digest:
+            raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
+        return data
+
+    @abstractmethod
+    def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
+        """Store a blob whose digest the caller computed; a no-op if it is already there."""
+
+    # --- tags -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def resolve(self, tag: str) -> str:
+        """The index digest that ``name:tag`` points to; ``NotFoundError`` if none."""
+
+    @abstractmethod
+    def publish(self, tag: str, index_bytes: bytes) -> str:
+        """Point ``name:tag`` at an index whose blobs are already stored; returns the index
+        digest. This is the commit point of a conversion."""
+
+    @abstractmethod
+    def list_tags(self) -> list[str]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
