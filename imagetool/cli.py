@@ -1,0 +1,375 @@
+"""The ``imagetool`` command line: options become config objects, errors become exit codes.
+
+Exit codes: 0 success, 1 a check failed (verify), 2 usage error, 3 any imagetool error
+(message on one line: ``imagetool: error: <Type>: <message>``), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import stat
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from imagetool.errors import ImageToolError
+
+log = logging.getLogger("imagetool")
+
+EXIT_CHECK_FAILED = 1
+EXIT_ERROR = 3
+EXIT_INTERRUPTED = 130
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``4MiB``, ``4M``, ``65536`` -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise click.BadParameter(f"not a size: {text!r} (e.g. 4MiB, 512KiB, 1048576)")
+    unit = (m.group(2) or "B").upper()[0]
+    return int(m.group(1)) << {"B": 0, "K": 10, "M": 20, "G": 30}[unit]
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except click.BadParameter as e:
+            self.fail(str(e), param, ctx)
+
+
+def _store_options(ctx: click.Context):  # noqa: ANN202
+    from imagetool.stores.base import StoreOptions
+
+    obj = ctx.find_root().obj or {}
+    return StoreOptions(plain_http=obj.get("plain_http", False), timeout=obj.get("timeout", 30.0))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.option(
+    "--plain-http", is_flag=True, help="Talk to registries over plain HTTP (loopback tests only)."
+)
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Network timeout.")
+@click.version_option(package_name="lazyblock")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> None:
+    """Convert OCI images into lazyblock block images and inspect them."""
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    ctx.obj = {"plain_http": plain_http, "timeout": timeout}
+
+
+@cli.command()
+@click.argument("source")
+@click.argument("dest")
+@click.option("--sector-size", type=SizeType(), default="4MiB", show_default=True)
+@click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True,
+              help="zstd compression level.")  # fmt: skip
+@click.option("--platform", help="os/arch[/variant] to pick from an image index.")
+@click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="File of paths in first-access order; their data is laid out first.")  # fmt: skip
+@click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
+@click.option("--tmpdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to stage the conversion (needs about the image size free).")  # fmt: skip
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def convert(
+    ctx: click.Context,
+    source: str,
+    dest: str,
+    sector_size: int,
+    level: int,
+    platform: str | None,
+    profile: Path | None,
+    workers: int | None,
+    tmpdir: Path | None,
+    quiet: bool,
+) -> None:
+    """Convert SOURCE into a block image published as DEST; prints the index digest.
+
+    \b
+    SOURCE: oci:PATH[:TAG] | docker-archive:PATH | docker://HOST/REPO[:TAG]
+    DEST:   STORE/NAME[:TAG], STORE = /dir | file:///dir | s3://bucket/prefix | docker://host
+    """
+    from imagetool.convert import ConvertOptions, read_profile
+    from imagetool.convert import convert as do_convert
+
+    options = ConvertOptions(
+        sector_size=sector_size,
+        level=level,
+        platform=platform,
+        profile=read_profile(profile) if profile else (),
+        workers=workers,
+        tmpdir=tmpdir,
+        store=_store_options(ctx),
+    )
+    started = time.monotonic()
+    with _Progress(disabled=quiet) as progress:
+        result = do_convert(source, dest, options, progress=progress)
+    idx = result.index
+    log.info(
+        "%d sectors, %s image -> %s stored in %.1fs",
+        idx.sector_count, _human(idx.image_size), _human(idx.blob_size),
+        time.monotonic() - started,
+    )  # fmt: skip
+    click.echo(result.index_digest)
+
+
+class _Progress:
+    """tqdm bars on a terminal (stderr); nothing otherwise."""
+
+    def __init__(self, disabled: bool) -> None:
+        self.disabled = disabled or not sys.stderr.isatty()
+        self.bars: dict[str, object] = {}
+
+    def __call__(self, stage: str, n: int, total: int | None) -> None:
+        if self.disabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(stage)
+        if bar is None:
+            for other in self.bars.values():
+                other.close()  # type: ignore[attr-defined]
+            desc = {"read": "reading layers", "pack": "compressing"}.get(stage, stage)
+            bar = self.bars[stage] = tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                file=sys.stderr, dynamic_ncols=True,
+            )  # fmt: skip
+        bar.update(n)  # type: ignore[attr-defined]
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for bar in self.bars.values():
+            bar.close()  # type: ignore[attr-defined]
+
+
+@cli.command()
+@click.argument("ref")
+@click.pass_context
+def inspect(ctx: click.Context, ref: str) -> None:
+    """Print a JSON summary of a block image."""
+    from imagetool.image import open_image
+
+    with open_image(ref, _store_options(ctx)) as img:
+        idx = img.index
+        stored = [s for s in idx.sectors if not s.is_zero]
+        summary = {
+            "reference": ref,
+            "index_digest": img.digest,
+            "format_version": 1,
+            "filesystem": "erofs",
+            "image_size": idx.image_size,
+            "sector_size": idx.sector_size,
+            "sectors": idx.sector_count,
+            "stored_sectors": len(stored),
+            "zero_sectors": idx.sector_count - len(stored),
+            "metadata_sectors": idx.metadata_sectors,
+            "prefetch_sectors": len(idx.prefetch),
+            "blob": {"digest": idx.blob_digest, "size": idx.blob_size},
+            "compression_ratio": round(idx.image_size / idx.blob_size, 3)
+            if idx.blob_size
+            else None,
+            "files": len(idx.files),
+            "source": {"manifest_digest": idx.manifest_digest, "platform": idx.platform},
+            "config": idx.config,
+        }
+    click.echo(json.dumps(summary, indent=2))
+
+
+@cli.command(name="ls")
+@click.argument("ref")
+@click.argument("path", default="/")
+@click.option("-R", "--recursive", is_flag=True, help="List subdirectories too.")
+@click.pass_context
+def ls_cmd(ctx: click.Context, ref: str, path: str, recursive: bool) -> None:
+    """List a directory of the image (like ls -l), read through the index."""
+    from imagetool.image import open_image
+
+    with open_image(ref, _store_options(ctx)) as img:
+        fs = img.image.filesystem()
+        node = fs.lookup(_abs(path))
+        if not stat.S_ISDIR(node.mode):
+            click.echo(_ls_line(fs, node, os.path.basename(path.rstrip("/")) or path))
+            return
+        if recursive:
+            for sub, inode in fs.walk(_abs(path)):
+                click.echo(_ls_line(fs, inode, sub))
+            return
+        for name, nid, _ in fs.listdir(node):
+            click.echo(_ls_line(fs, fs.inode(nid), name))
+
+
+def _abs(path: str) -> str:
+    return "/" + path.strip("/")
+
+
+def _ls_line(fs, inode, name: str) -> str:  # noqa: ANN001
+    mtime = time.strftime("%Y-%m-%d %H:%M", time.gmtime(inode.mtime))
+    if stat.S_ISCHR(inode.mode) or stat.S_ISBLK(inode.mode):
+        size = f"{os.major(inode.rdev)}, {os.minor(inode.rdev)}"
+    else:
+        size = str(inode.size)
+    line = f"{stat.filemode(inode.mode)} {inode.nlink:>3} {inode.uid:>5} {inode.gid:>5} "
+    line += f"{size:>10} {mtime} {name}"
+    if stat.S_ISLNK(inode.mode):
+        line += " -> " + fs.readlink(inode)
+    return line
+
+
+@cli.command()
+@click.argument("ref")
+@click.argument("path")
+@click.pass_context
+def cat(ctx: click.Context, ref: str, path: str) -> None:
+    """Write a file of the image to stdout (symlinks inside the image are followed)."""
+    from imagetool.image import open_image
+
+    with open_image(ref, _store_options(ctx)) as img:
+        fs = img.image.filesystem()
+        inode = _follow(fs, _abs(path))
+        if not stat.S_ISREG(inode.mode):
+            raise click.UsageError(f"{path} is not a regular file")
+        out = click.get_binary_stream("stdout")
+        for chunk in fs.iter_content(inode):
+            out.write(chunk)
+
+
+def _follow(fs, path: str, limit: int = 40):  # noqa: ANN001, ANN202
+    """Resolve ``path`` inside the image, following symlinks like the kernel would."""
+    parts = [p for p in path.split("/") if p]
+    resolved: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = "/" + "/".join([*resolved, part])
+        inode = fs.lookup(candidate)
+        if stat.S_ISLNK(inode.mode):
+            hops += 1
+            if hops > limit:
+                raise click.UsageError(f"too many levels of symbolic links: {path}")
+            target = fs.readlink(inode)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        resolved.append(part)
+    return fs.lookup("/" + "/".join(resolved))
+
+
+@cli.command()
+@click.argument("ref")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.pass_context
+def raw(ctx: click.Context, ref: str, out: Path) -> None:
+    """Write the uncompressed filesystem image to OUT (for fsck.erofs or a loop mount)."""
+    from imagetool.image import open_image
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open_image(ref, _store_options(ctx)) as img, open(tmp, "wb") as f:
+            for n, data in img.image.iter_all():
+                if img.index.sectors[n].is_zero:
+                    f.seek(len(data), os.SEEK_CUR)  # leave a hole
+                else:
+                    f.write(data)
+            f.truncate(img.index.image_size)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@cli.command()
+@click.argument("ref")
+@click.option("--against", "source", help="Source image to compare every file with.")
+@click.option("--platform", help="os/arch[/variant] of the source to compare with.")
+@click.pass_context
+def verify(ctx: click.Context, ref: str, source: str | None, platform: str | None) -> None:
+    """Check every sector's checksum, and with --against every file against the source."""
+    from imagetool.image import open_image
+    from imagetool.sources import open_source
+    from imagetool.verify import VerifyReport, compare_tree, source_tree, verify_sectors
+
+    options = _store_options(ctx)
+    report = VerifyReport()
+    with open_image(ref, options) as img:
+        verify_sectors(img.image, report)
+        if source:
+            with open_source(source, platform=platform or img.index.platform or None,
+                             options=options) as src:  # fmt: skip
+                compare_tree(img.image.filesystem(), source_tree(src), report)
+    for line in report.bad_sectors + report.differences[:50]:
+        click.echo(f"FAIL {line}", err=True)
+    if len(report.differences) > 50:
+        click.echo(f"... and {len(report.differences) - 50} more differences", err=True)
+    summary = f"{report.sectors} sectors checked, {len(report.bad_sectors)} bad"
+    if source:
+        summary += f"; {report.files} entries compared, {len(report.differences)} differ"
+    click.echo(summary)
+    if not report.ok:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: the one place errors become messages and exit codes."""
+    try:
+        cli.main(args=argv, prog_name="imagetool", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("imagetool: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        click.echo("imagetool: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except ImageToolError as e:
+        click.echo(f"imagetool: error: {type(e).__name__.rstrip('_')}: {_one_line(e)}", err=True)
+        sys.exit(EXIT_ERROR)
+    except BrokenPipeError:
+        sys.exit(0)
+    except OSError as e:  # local files: missing, unreadable, disk full
+        click.echo(f"imagetool: error: {type(e).__name__}: {_one_line(e)}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    main()

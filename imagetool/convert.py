@@ -1,0 +1,182 @@
+"""Convert an OCI image into a block image and publish it to a store.
+
+Pipeline, each stage streaming:
+
+1. read every layer once, front to back, applying it to the in-memory tree; file contents go
+   to a spool file on local disk (``imagetool.tree``);
+2. lay the tree out as EROFS: metadata first, file data in layout order (``erofs.writer``);
+3. assemble sectors from the plan and the spool, compress and checksum them in parallel into
+   a local blob file (``imagetool.pack``);
+4. upload the data blob, then publish the index under the tag: the one commit point. A failure
+   anywhere before it leaves no index behind, only unreferenced temporary files, which are
+   removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagetool.erofs.writer import plan_erofs
+from imagetool.format import (
+    DEFAULT_SECTOR_SIZE,
+    DEFAULT_ZSTD_LEVEL,
+    Index,
+    check_sector_size,
+)
+from imagetool.pack import iter_sectors, pack
+from imagetool.sources import SourceImage, open_source
+from imagetool.stores import open_store, parse_ref
+from imagetool.stores.base import StoreOptions
+from imagetool.tree import SpoolSink, Tree, apply_layer
+
+log = logging.getLogger(__name__)
+
+# Parts of the source image config that describe how to run it; carried into the index.
+RUN_CONFIG_KEYS = (
+    "User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir", "Labels",
+    "StopSignal", "ArgsEscaped",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    sector_size: int = DEFAULT_SECTOR_SIZE
+    level: int = DEFAULT_ZSTD_LEVEL  # zstd level; 3 compresses at hundreds of MB/s per core
+    platform: str | None = None
+    profile: tuple[str, ...] = ()  # paths in first-access order; their data goes first
+    workers: int | None = None  # compression threads; default: one per CPU
+    tmpdir: Path | None = None  # where the spool and blob are staged
+    store: StoreOptions = field(default_factory=StoreOptions)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    index_digest: str
+    index: Index
+
+
+Progress = Callable[[str, int, int | None], None]  # (stage, bytes done delta, total)
+
+
+def read_profile(path: Path) -> tuple[str, ...]:
+    """A profile file: one absolute path per line; blank lines and ``#`` comments ignored."""
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append("/" + line.lstrip("/"))
+    return tuple(out)
+
+
+def build_tree(source: SourceImage, sink: SpoolSink | object, progress: Progress | None) -> Tree:
+    tree = Tree()
+    for n, layer in enumerate(source.layers):
+        name = f"{n} ({layer.digest[:19]})"
+        with source.open_layer(layer) as stream:
+            apply_layer(tree, _Counting(stream, progress), sink, name)  # type: ignore[arg-type]
+    return tree
+
+
+class _Counting:
+    """Report bytes read from a layer stream to the progress callback."""
+
+    def __init__(self, stream, progress: Progress | None) -> None:  # noqa: ANN001
+        self.stream = stream
+        self.progress = progress
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.stream.read(n)
+        if self.progress is not None and data:
+            self.progress("read", len(data), None)
+        return data
+
+
+def convert(
+    source_spec: str,
+    dest: str,
+    options: ConvertOptions = ConvertOptions(),
+    progress: Progress | None = None,
+) -> ConvertResult:
+    check_sector_size(options.sector_size)
+    ref = parse_ref(dest)
+    if ref.digest:
+        from imagetool.errors import ReferenceError_
+
+        raise ReferenceError_(f"destination must name a tag, not a digest: {dest}")
+    with (
+        open_store(ref, options.store) as store,
+        open_source(source_spec, platform=options.platform, options=options.store) as source,
+        tempfile.TemporaryDirectory(prefix="lazyblock-convert-", dir=options.tmpdir) as tmp,
+    ):
+        work = Path(tmp)
+        with open(work / "spool", "w+b") as spool:
+            tree = build_tree(source, SpoolSink(spool), progress)
+            spool.flush()
+            plan = plan_erofs(tree, order=options.profile)
+            del tree
+            blob_path = work / "blob"
+            total = plan.size
+
+            def report(n: int) -> None:
+                if progress is not None:
+                    progress("pack", n, total)
+
+            with open(blob_path, "wb") as out:
+                packed = pack(
+                    iter_sectors(plan, spool.fileno(), options.sector_size),
+                    out,
+                    level=options.level,
+                    workers=options.workers,
+                    progress=report,
+                )
+                out.flush()
+                os.fsync(out.fileno())
+        metadata_sectors = -(-len(plan.metadata) // options.sector_size)
+        index = Index(
+            image_size=plan.size,
+            sector_size=options.sector_size,
+            sectors=packed.sectors,
+            metadata_sectors=metadata_sectors,
+            blob_digest=packed.blob_digest,
+            blob_size=packed.blob_size,
+            prefetch=_prefetch_order(plan.files, options, metadata_sectors, len(packed.sectors)),
+            manifest_digest=source.manifest_digest,
+            platform=source.platform,
+            config=_run_config(source.config),
+            files=plan.files,
+        )
+        store.put_blob(packed.blob_digest, blob_path, "application/vnd.lazyblock.sectors.v1")
+        digest = store.publish(ref.tag or "latest", index.to_bytes())
+        log.info("published %s:%s as %s", ref.name, ref.tag, digest)
+        return ConvertResult(digest, index)
+
+
+def _prefetch_order(
+    files: Sequence, options: ConvertOptions, metadata_sectors: int, count: int
+) -> tuple[int, ...]:
+    """Sectors of the profile's files, in first-access order (metadata is fetched at mount)."""
+    if not options.profile:
+        return ()
+    wanted = set(options.profile)
+    order: list[int] = []
+    seen = set(range(metadata_sectors))
+    for f in files:  # files are in layout order: profile files first
+        if f.path not in wanted:
+            continue
+        first = f.offset // options.sector_size
+        last = (f.offset + f.length - 1) // options.sector_size
+        for s in range(first, min(last, count - 1) + 1):
+            if s not in seen:
+                seen.add(s)
+                order.append(s)
+    return tuple(order)
+
+
+def _run_config(config: dict) -> dict:
+    run = config.get("config") or {}
+    return {k: run[k] for k in RUN_CONFIG_KEYS if k in run}

@@ -1,0 +1,294 @@
+"""The EROFS writer: lay out a flattened tree as an uncompressed EROFS image.
+
+The image is produced as a *plan* rather than written out: the metadata region (superblock,
+inodes, xattrs, inline tails, directory and long-symlink blocks) as bytes in memory, followed
+by a list of extents that say where each regular file's content lies in the content spool.
+The packer turns the plan into sectors without ever materialising the whole image.
+
+Layout (4096-byte blocks, all offsets deterministic for the same tree and order)::
+
+    block 0      superblock at byte 1024; then the inode table starts at byte 1152
+    inode table  extended (64-byte) inodes in depth-first order, root first, each followed by
+                 its inline xattrs and, for directories and symlinks that fit, the tail of its
+                 data (FLAT_INLINE); 32-byte aligned, a record never crosses a block boundary
+    meta blocks  whole blocks of large directories and long symlinks (FLAT_PLAIN/INLINE heads)
+    data area    regular files, each contiguous and block aligned (FLAT_PLAIN), in layout
+                 order: the profile's paths first, then depth-first order
+
+All metadata therefore sits in the leading blocks, so the first sectors of a block image hold
+every name, mode, owner and size; listing a tree never touches the data area.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from imagetool.erofs import layout as L
+from imagetool.errors import InvalidSourceError
+from imagetool.format import FileExtent
+from imagetool.tree import Node, Tree
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = L.DEFAULT_BLOCK_SIZE
+INODE_TABLE_START = L.SUPERBLOCK_OFFSET + L.SUPERBLOCK_SIZE  # 1152, 32-byte aligned
+INODE_SIZE = L.INODE_EXTENDED.size
+VOLUME_NAME = b"lazyblock"
+
+
+@dataclass(frozen=True, slots=True)
+class DataExtent:
+    """``length`` bytes of the image at ``image_offset`` come from ``spool_offset``."""
+
+    image_offset: int
+    spool_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ErofsPlan:
+    metadata: bytes  # image bytes [0, len(metadata)); len is a multiple of the block size
+    extents: tuple[DataExtent, ...]  # by image offset, all past the metadata
+    size: int  # image size in bytes (multiple of the block size)
+    files: tuple[FileExtent, ...]  # regular files with data, in layout order
+    inode_count: int
+
+
+class _Inode:
+    __slots__ = (
+        "node", "index", "nid", "nlink", "xattr_blob", "content", "layout",
+        "inline_len", "blkaddr", "size", "entries",
+    )  # fmt: skip
+
+    def __init__(self, node: Node, index: int) -> None:
+        self.node = node
+        self.index = index
+        self.nid = 0
+        self.nlink = 0
+        self.xattr_blob = b""
+        self.content = b""  # directories and symlinks: their data
+        self.layout = L.FLAT_PLAIN
+        self.inline_len = 0
+        self.blkaddr = 0
+        self.size = 0
+        self.entries: list[tuple[bytes, Node]] = []
+
+    @property
+    def record_size(self) -> int:
+        return INODE_SIZE + len(self.xattr_blob) + self.inline_len
+
+
+def plan_erofs(tree: Tree, order: Iterable[str] = ()) -> ErofsPlan:
+    """Lay out ``tree``; ``order`` lists paths whose data goes first (a startup profile)."""
+    inodes, by_id, reg_paths = _collect(tree)
+    for ino in inodes:
+        _prepare(ino, by_id)
+
+    # Inode table.
+    pos = INODE_TABLE_START
+    for ino in inodes:
+        pos = L.align(pos, L.ISLOT_SIZE)
+        rec = ino.record_size
+        room = BLOCK_SIZE - pos % BLOCK_SIZE
+        if (rec <= BLOCK_SIZE and rec > room) or (rec > BLOCK_SIZE and INODE_SIZE > room):
+            pos = L.align(pos, BLOCK_SIZE)
+        ino.nid = pos >> L.ISLOT_BITS
+        pos += rec
+    if inodes[0].nid > 0xFFFF:
+        raise AssertionError("root nid must fit 16 bits")
+
+    # Whole blocks of directories and long symlinks, still in the metadata region.
+    block = L.align(pos, BLOCK_SIZE) // BLOCK_SIZE
+    for ino in inodes:
+        head = len(ino.content) - ino.inline_len
+        if ino.content and head:
+            ino.blkaddr = block
+            block += -(-head // BLOCK_SIZE)
+    meta_end = block * BLOCK_SIZE
+
+    # Data area: regular files in layout order.
+    extents: list[DataExtent] = []
+    files: list[FileExtent] = []
+    placed: set[int] = set()
+
+    def place(node: Node) -> None:
+        nonlocal block
+        if id(node) in placed or node.size == 0:
+            return
+        placed.add(id(node))
+        ino = by_id[id(node)]
+        ino.blkaddr = block
+        extents.append(DataExtent(block * BLOCK_SIZE, node.spool_offset, node.size))
+        for path in reg_paths[id(node)]:
+            files.append(FileExtent(path, block * BLOCK_SIZE, node.size))
+        block += -(-node.size // BLOCK_SIZE)
+
+    for path in order:
+        node = tree.lookup(path)
+        if node is not None and node.is_reg:
+            place(node)
+    for ino in inodes:
+        if ino.node.is_reg:
+            place(ino.node)
+    size = block * BLOCK_SIZE
+
+    meta = bytearray(meta_end)
+    for ino in inodes:
+        _write_inode(meta, ino, by_id)
+    build_time = max((ino.node.mtime for ino in inodes), default=0)
+    uuid = hashlib.sha256(meta).digest()[:16]
+    sb = L.Superblock(
+        magic=L.MAGIC, checksum=0, feature_compat=L.FEATURE_COMPAT_MTIME,
+        blkszbits=L.DEFAULT_BLKSZBITS, sb_extslots=0, root_nid=inodes[0].nid,
+        inos=len(inodes), build_time=build_time, build_time_nsec=0, blocks=size // BLOCK_SIZE,
+        meta_blkaddr=0, xattr_blkaddr=0, uuid=uuid, volume_name=VOLUME_NAME,
+        feature_incompat=0, u1=0, extra_devices=0, devt_slotoff=0, dirblkbits=0,
+        xattr_prefix_count=0, xattr_prefix_start=0, packed_nid=0, xattr_filter_reserved=0,
+        reserved=bytes(23),
+    )  # fmt: skip
+    meta[L.SUPERBLOCK_OFFSET : L.SUPERBLOCK_OFFSET + L.SUPERBLOCK_SIZE] = sb.pack()
+    log.debug("erofs: %d inodes, metadata %d bytes, image %d bytes", len(inodes), meta_end, size)
+    return ErofsPlan(bytes(meta), tuple(extents), size, tuple(files), len(inodes))
+
+
+def _collect(tree: Tree) -> tuple[list[_Inode], dict[int, _Inode], dict[int, list[str]]]:
+    """Inodes in depth-first order (names in byte order), root first; link counts."""
+    inodes: list[_Inode] = []
+    by_id: dict[int, _Inode] = {}
+    reg_paths: dict[int, list[str]] = {}
+    parent_of: dict[int, Node] = {id(tree.root): tree.root}
+    for path, node in tree.walk():
+        ino = by_id.get(id(node))
+        if ino is None:
+            ino = _Inode(node, len(inodes))
+            inodes.append(ino)
+            by_id[id(node)] = ino
+        if node.is_dir:
+            ino.nlink = 2
+            assert node.children is not None
+            entries = [(os.fsencode(n), c) for n, c in node.children.items()]
+            entries += [(b".", node), (b"..", parent_of[id(node)])]
+            entries.sort(key=lambda e: e[0])
+            ino.entries = entries
+            for child in node.children.values():
+                if child.is_dir:
+                    ino.nlink += 1
+                    parent_of[id(child)] = node
+        else:
+            ino.nlink += 1
+            if node.is_reg:
+                reg_paths.setdefault(id(node), []).append(path)
+    return inodes, by_id, reg_paths
+
+
+def _prepare(ino: _Inode, by_id: dict[int, _Inode]) -> None:
+    node = ino.node
+    ino.xattr_blob = _xattr_blob(node)
+    if node.is_dir:
+        ino.content = _dir_blocks(ino.entries, nid_of=None)
+    elif node.is_symlink:
+        ino.content = os.fsencode(node.target)
+    if node.is_reg:
+        ino.size = node.size
+    else:
+        ino.size = len(ino.content)
+    if ino.content:
+        tail = len(ino.content) % BLOCK_SIZE
+        if tail and INODE_SIZE + len(ino.xattr_blob) + tail <= BLOCK_SIZE:
+            ino.layout = L.FLAT_INLINE
+            ino.inline_len = tail
+
+
+def _dir_blocks(entries: Sequence[tuple[bytes, Node]], nid_of: dict[int, _Inode] | None) -> bytes:
+    """Directory data: blocks of dirents + names; the last block is not padded."""
+    out = bytearray()
+    i = 0
+    while i < len(entries):
+        n, used = 0, 0
+        while i + n < len(entries):
+            need = L.DIRENT.size + len(entries[i + n][0])
+            if used + need > BLOCK_SIZE:
+                break
+            used += need
+            n += 1
+        chunk = entries[i : i + n]
+        nameoff = L.DIRENT.size * n
+        heads, names = bytearray(), bytearray()
+        for name, child in chunk:
+            nid = nid_of[id(child)].nid if nid_of is not None else 0
+            ftype = L.file_type_from_mode(child.mode)
+            heads += L.DIRENT.pack(nid, nameoff + len(names), ftype, 0)
+            names += name
+        blk = heads + names
+        i += n
+        if i < len(entries):
+            blk += bytes(BLOCK_SIZE - len(blk))
+        out += blk
+    return bytes(out)
+
+
+def _xattr_blob(node: Node) -> bytes:
+    if not node.xattrs:
+        return b""
+    entries = []
+    for name, value in node.xattrs.items():
+        split = L.split_xattr_name(name)
+        if split is None:
+            log.warning("dropping xattr %r: EROFS has no prefix for it", name)
+            continue
+        index, suffix = split
+        suffix_b = os.fsencode(suffix)
+        if len(suffix_b) > 255 or len(value) > 0xFFFF:
+            raise InvalidSourceError(f"xattr {name!r} is too large for EROFS")
+        entries.append((index, suffix_b, value))
+    if not entries:
+        return b""
+    blob = bytearray(L.XATTR_IBODY_HEADER.pack(0, 0, bytes(7)))
+    for index, suffix_b, value in sorted(entries):
+        entry = L.XATTR_ENTRY.pack(len(suffix_b), index, len(value)) + suffix_b + value
+        blob += entry + bytes(L.align(len(entry), L.XATTR_ALIGN) - len(entry))
+    if L.xattr_icount(len(blob)) > 0xFFFF:
+        raise InvalidSourceError("too many xattrs on one file for EROFS")
+    return bytes(blob)
+
+
+def _write_inode(meta: bytearray, ino: _Inode, by_id: dict[int, _Inode]) -> None:
+    node = ino.node
+    if node.is_dir:  # now that every nid is known
+        ino.content = _dir_blocks(ino.entries, nid_of=by_id)
+    fmt = stat.S_IFMT(node.mode)
+    if fmt in (stat.S_IFCHR, stat.S_IFBLK):
+        i_u = L.encode_rdev(os.major(node.rdev), os.minor(node.rdev))
+    elif ino.layout == L.FLAT_INLINE and len(ino.content) < BLOCK_SIZE:
+        i_u = 0  # all data is inline; no block is addressed
+    else:
+        i_u = ino.blkaddr
+    raw = L.INODE_EXTENDED.pack(
+        L.make_i_format(L.INODE_LAYOUT_EXTENDED, ino.layout),
+        L.xattr_icount(len(ino.xattr_blob)),
+        node.mode & 0xFFFF,
+        0,
+        ino.size,
+        i_u,
+        ino.index + 1,
+        node.uid,
+        node.gid,
+        node.mtime,
+        node.mtime_nsec,
+        ino.nlink,
+        bytes(16),
+    )
+    pos = ino.nid << L.ISLOT_BITS
+    record = raw + ino.xattr_blob
+    if ino.inline_len:
+        record += ino.content[len(ino.content) - ino.inline_len :]
+    meta[pos : pos + len(record)] = record
+    head = len(ino.content) - ino.inline_len
+    if ino.content and head:
+        start = ino.blkaddr * BLOCK_SIZE
+        meta[start : start + head] = ino.content[:head]

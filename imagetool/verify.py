@@ -1,0 +1,97 @@
+"""Check a published block image: every sector, and optionally every file against its source."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from imagetool.erofs import layout as L
+from imagetool.erofs.reader import ErofsReader, Inode
+from imagetool.errors import ChecksumError
+from imagetool.image import BlockImage
+from imagetool.sources import SourceImage
+from imagetool.tree import HashSink, Node, Tree, apply_layer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyReport:
+    sectors: int = 0
+    bad_sectors: list[str] = field(default_factory=list)
+    files: int = 0
+    differences: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_sectors and not self.differences
+
+
+def verify_sectors(image: BlockImage, report: VerifyReport) -> None:
+    index = image.index
+    for n in range(index.sector_count):
+        try:
+            image.fetch_run(range(n, n + 1)).__next__()
+        except ChecksumError as e:
+            report.bad_sectors.append(str(e))
+        report.sectors += 1
+
+
+def source_tree(source: SourceImage) -> Tree:
+    tree = Tree()
+    sink = HashSink()
+    for n, layer in enumerate(source.layers):
+        with source.open_layer(layer) as stream:
+            apply_layer(tree, stream, sink, f"{n} ({layer.digest[:19]})")
+    return tree
+
+
+def representable_xattrs(node: Node) -> dict[str, bytes]:
+    return {k: v for k, v in node.xattrs.items() if L.split_xattr_name(k) is not None}
+
+
+def compare_tree(fs: ErofsReader, tree: Tree, report: VerifyReport) -> None:
+    """Compare every entry of ``tree`` with the filesystem, and the other way round."""
+    expected = dict(tree.walk())
+    for path, node in expected.items():
+        report.files += 1
+        try:
+            inode = fs.lookup(path)
+        except (FileNotFoundError, NotADirectoryError):
+            report.differences.append(f"{path}: missing from the image")
+            continue
+        report.differences.extend(f"{path}: {d}" for d in _diff(fs, node, inode))
+    for path, _ in fs.walk("/"):
+        if path not in expected:
+            report.differences.append(f"{path}: in the image but not in the source")
+
+
+def _diff(fs: ErofsReader, node: Node, inode: Inode) -> Iterator[str]:
+    if node.mode != inode.mode:
+        yield f"mode {inode.mode:o} != {node.mode:o}"
+        if stat.S_IFMT(node.mode) != stat.S_IFMT(inode.mode):
+            return
+    if (node.uid, node.gid) != (inode.uid, inode.gid):
+        yield f"owner {inode.uid}:{inode.gid} != {node.uid}:{node.gid}"
+    if (node.mtime, node.mtime_nsec) != (inode.mtime, inode.mtime_nsec):
+        yield f"mtime {inode.mtime}.{inode.mtime_nsec} != {node.mtime}.{node.mtime_nsec}"
+    if fs.xattrs(inode) != representable_xattrs(node):
+        yield "xattrs differ"
+    if node.is_reg:
+        if inode.size != node.size:
+            yield f"size {inode.size} != {node.size}"
+        else:
+            h = hashlib.sha256()
+            for chunk in fs.iter_content(inode):
+                h.update(chunk)
+            if h.hexdigest() != node.sha256:
+                yield "content differs"
+    elif node.is_symlink:
+        if fs.readlink(inode) != node.target:
+            yield f"link target {fs.readlink(inode)!r} != {node.target!r}"
+    elif stat.S_ISCHR(node.mode) or stat.S_ISBLK(node.mode):
+        if inode.rdev != node.rdev:
+            yield f"device {inode.rdev} != {node.rdev}"
