@@ -81,7 +81,7 @@ def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> N
               help="zstd compression level.")  # fmt: skip
 @click.option("--platform", help="os/arch[/variant] to pick from an image index.")
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="File of paths in first-access order; their data is laid out first.")  # fmt: skip
+              help="Paths in first-access order; their data is laid out first.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
 @click.option("--tmpdir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to stage the conversion (needs about the image size free).")  # fmt: skip

@@ -15,6 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from imagetool.stores.refs import ImageRef
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,19 @@ class Store(ABC):
 
     @abstractmethod
     def list_tags(self) -> list[str]: ...
+
+    def resolve_ref(self, ref: ImageRef) -> str:
+        """The index digest a reference names: its digest (checked to be present) or its tag.
+
+        Backends whose references carry another kind of digest (a registry's manifest
+        digest) override this."""
+        from imagetool.errors import NotFoundError
+
+        if ref.digest is None:
+            return self.resolve(ref.tag or "latest")
+        if not self.has_blob(ref.digest):
+            raise NotFoundError(f"index {ref.digest} not found in {self.url}")
+        return ref.digest
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

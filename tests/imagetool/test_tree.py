@@ -25,7 +25,8 @@ def paths(tree: Tree) -> list[str]:
 
 def test_later_layers_replace_and_merge():
     tree = flatten(
-        [TarEntry("etc", "dir", mode=0o700), TarEntry("etc/a", data=b"1"), TarEntry("x", data=b"x")],
+        [TarEntry("etc", "dir", mode=0o700), TarEntry("etc/a", data=b"1"),
+         TarEntry("x", data=b"x")],
         [TarEntry("etc", "dir", mode=0o755, uid=5), TarEntry("etc/b", data=b"2"),
          TarEntry("x", "symlink", link="etc/a")],
     )  # fmt: skip
