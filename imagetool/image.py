@@ -108,7 +108,7 @@ def open_image(ref_text: str, options: StoreOptions = StoreOptions()) -> OpenedI
     ref = parse_ref(ref_text)
     store = open_store(ref, options)
     try:
-        digest = ref.digest or store.resolve(ref.tag or "latest")
+        digest = store.resolve_ref(ref)
         index = Index.from_bytes(store.read_blob(digest))
         if store.blob_size(index.blob_digest) != index.blob_size:
             raise FormatError(f"data blob {index.blob_digest} has the wrong size")

@@ -1,0 +1,681 @@
+"""A small OCI distribution-spec client (httpx): manifests, blobs, ranged reads, uploads, tags.
+
+Used by the registry store (``imagetool.stores.registry``) and the registry image source.
+One ``RegistryClient`` talks to one repository on one registry.
+
+Auth: requests go out anonymously until the registry answers 401 with a
+``WWW-Authenticate`` challenge. ``Basic`` is answered with the credentials from docker's
+``config.json``; ``Bearer`` sends us to the token service named in the challenge, asking for
+``repository:REPO:pull`` (``pull,push`` for writes) with those credentials if there are any.
+Tokens are cached per scope, sent up front on later requests, renewed before they expire, and
+fetched again once if the registry still answers 401. Credentials and tokens are never logged
+and never sent to a host over plain HTTP unless ``plain_http`` was asked for.
+
+Timeouts: ``options.timeout`` bounds connecting and every read, so a registry that accepts the
+connection and never answers fails with ``StoreTimeoutError`` after that long; timeouts are
+not retried (the caller decides). Idempotent requests (GET, HEAD) are retried
+``options.retries`` times with exponential backoff and full jitter on connection errors and on
+429/5xx. Errors are mapped to ``imagetool.errors`` with one-line messages naming host and
+repository.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, NoReturn, cast
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+
+from imagetool.errors import (
+    AuthError,
+    DigestMismatchError,
+    ImageToolError,
+    NotFoundError,
+    StoreError,
+    StoreTimeoutError,
+)
+from imagetool.format import check_digest
+from imagetool.stores.base import StoreOptions
+
+log = logging.getLogger(__name__)
+
+# Uploads of up to this many bytes go in one PUT; bigger files in PATCH chunks of UPLOAD_CHUNK
+# (each chunk is held in memory so it can be re-sent after an auth challenge).
+MONOLITHIC_LIMIT = 64 << 20
+UPLOAD_CHUNK = 32 << 20
+# Backoff between retries: full jitter over BASE * 2**attempt, capped.
+BACKOFF_BASE = 0.2
+BACKOFF_CAP = 5.0
+# Renew a token this many seconds before the token service says it expires.
+TOKEN_MARGIN = 10.0
+# The distribution spec's default token lifetime when the service does not give one.
+DEFAULT_TOKEN_LIFETIME = 60.0
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_DOCKER_HUB_HOSTS = frozenset({"docker.io", "registry-1.docker.io", "index.docker.io"})
+_DOCKER_HUB_AUTH_KEY = "https://index.docker.io/v1/"
+_CHALLENGE_PARAM = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^,\s]+))')
+
+
+def default_docker_config(options: StoreOptions) -> Path:
+    """Where docker credentials are read from: ``options.docker_config`` (a file or a
+    directory), else ``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``."""
+    if options.docker_config is not None:
+        path = Path(options.docker_config)
+        return path / "config.json" if path.is_dir() else path
+    env = os.environ.get("DOCKER_CONFIG")
+    if env:
+        return Path(env) / "config.json"
+    return Path.home() / ".docker" / "config.json"
+
+
+def load_docker_credentials(path: Path, host: str) -> tuple[str, str] | None:
+    """(username, password) for ``host`` from a docker ``config.json``'s ``auths``, or None.
+
+    Credential helpers (``credsStore``/``credHelpers``) are not consulted."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AuthError(f"cannot read docker config {path}: {type(e).__name__}") from None
+    auths = doc.get("auths") if isinstance(doc, dict) else None
+    if not isinstance(auths, dict):
+        return None
+    wanted = {host}
+    if host in _DOCKER_HUB_HOSTS:
+        wanted |= _DOCKER_HUB_HOSTS
+    for key, entry in auths.items():
+        if not isinstance(entry, dict) or _auth_key_host(key) not in wanted:
+            continue
+        if entry.get("auth"):
+            try:
+                user, sep, password = base64.b64decode(entry["auth"]).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                raise AuthError(f"docker config {path}: malformed 'auth' for {key}") from None
+            if not sep:
+                raise AuthError(f"docker config {path}: malformed 'auth' for {key}")
+            return user, password
+        if entry.get("username") and entry.get("password") is not None:
+            return str(entry["username"]), str(entry["password"])
+    if isinstance(doc, dict) and (doc.get("credsStore") or doc.get("credHelpers")):
+        log.debug("docker config %s names credential helpers, which are not supported", path)
+    return None
+
+
+def _auth_key_host(key: str) -> str:
+    """``https://host:5000/v1/`` or ``host:5000`` -> ``host:5000``."""
+    if "://" in key:
+        key = key.split("://", 1)[1]
+    return key.split("/", 1)[0]
+
+
+@dataclass
+class _Token:
+    value: str
+    expires: float  # time.monotonic() after which it must be renewed
+
+
+@dataclass
+class _Challenge:
+    scheme: str  # "basic" or "bearer"
+    params: dict[str, str]
+
+
+def parse_challenge(header: str) -> _Challenge | None:
+    """Parse a ``WWW-Authenticate`` header (the first challenge in it)."""
+    scheme, _, rest = header.strip().partition(" ")
+    if not scheme:
+        return None
+    params = {m[1].lower(): (m[2] if m[2] else m[3] or "") for m in _CHALLENGE_PARAM.finditer(rest)}
+    params = {k: re.sub(r"\\(.)", r"\1", v) for k, v in params.items()}
+    return _Challenge(scheme.lower(), params)
+
+
+class RegistryClient:
+    """One repository on one registry."""
+
+    def __init__(self, host: str, repository: str, options: StoreOptions) -> None:
+        self.host = host
+        self.repository = repository
+        self.options = options
+        scheme = "http" if options.plain_http else "https"
+        self.base = f"{scheme}://{host}/v2/{repository}"
+        self.where = f"{host}/{repository}"
+        self.monolithic_limit = MONOLITHIC_LIMIT
+        self.upload_chunk = UPLOAD_CHUNK
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(options.timeout),
+            follow_redirects=False,
+            headers={"User-Agent": "lazyblock-imagetool"},
+        )
+        self._credentials: tuple[str, str] | None = None
+        self._credentials_loaded = False
+        self._scheme: str | None = None  # auth scheme the registry asked for
+        self._bearer: dict[str, str] = {}  # realm/service of the bearer challenge
+        self._tokens: dict[str, _Token] = {}  # scope -> token
+        self._token_lock = threading.Lock()  # one token fetch at a time per client
+
+    # --- public API -----------------------------------------------------------------------
+
+    def get_manifest(self, reference: str, accept: Sequence[str]) -> tuple[bytes, str, str]:
+        """(body, media type, digest) of a manifest by tag or digest; a digest reference is
+        verified against the body."""
+        what = f"manifest {reference}"
+        resp = self._request(
+            "GET", f"{self.base}/manifests/{reference}", what, headers={"Accept": ", ".join(accept)}
+        )
+        body = resp.content
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        if reference.startswith("sha256:") and digest != reference:
+            raise DigestMismatchError(f"{self.where}: manifest {reference} hashes to {digest}")
+        media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        if not media_type or media_type in ("application/json", "text/plain"):
+            with contextlib.suppress(ValueError, AttributeError):
+                media_type = str(json.loads(body).get("mediaType") or media_type)
+        return body, media_type, digest
+
+    def has_blob(self, digest: str) -> bool:
+        try:
+            self.blob_size(digest)
+        except NotFoundError:
+            return False
+        return True
+
+    def blob_size(self, digest: str) -> int:
+        check_digest(digest)
+        resp = self._request(
+            "HEAD", f"{self.base}/blobs/{digest}", f"blob {digest}", follow_redirects=True
+        )
+        try:
+            return int(resp.headers["Content-Length"])
+        except (KeyError, ValueError):
+            raise StoreError(f"{self.where}: blob {digest}: no Content-Length") from None
+
+    @contextmanager
+    def open_blob(self, digest: str) -> Iterator[BinaryIO]:
+        """Stream a blob. Reading it to the end verifies it against its digest."""
+        check_digest(digest)
+        resp = self._request(
+            "GET",
+            f"{self.base}/blobs/{digest}",
+            f"blob {digest}",
+            headers={"Accept-Encoding": "identity"},
+            stream=True,
+            follow_redirects=True,
+        )
+        reader = _BlobReader(resp, digest, self.where)
+        try:
+            yield cast(BinaryIO, reader)
+        finally:
+            resp.close()
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of a blob at ``offset``, with a ranged GET."""
+        check_digest(digest)
+        what = f"blob {digest}"
+        if offset < 0 or length < 0:
+            raise StoreError(f"{self.where}: {what}: invalid range offset={offset} length={length}")
+        if length == 0:
+            size = self.blob_size(digest)
+            if offset > size:
+                raise StoreError(
+                    f"{self.where}: {what}: range {offset}+0 is past the end ({size} bytes)"
+                )
+            return b""
+        end = offset + length - 1
+        resp = self._request(
+            "GET",
+            f"{self.base}/blobs/{digest}",
+            what,
+            headers={"Range": f"bytes={offset}-{end}", "Accept-Encoding": "identity"},
+            stream=True,
+            follow_redirects=True,
+            ok=(200, 206),
+            range_ok=True,
+        )
+        try:
+            if resp.status_code == 416:
+                raise StoreError(
+                    f"{self.where}: {what}: range {offset}+{length} is past the end of the blob"
+                )
+            if resp.status_code != 206:
+                raise StoreError(
+                    f"{self.where}: {what}: the registry ignored the Range header "
+                    f"(HTTP {resp.status_code}); lazyblock needs a registry that serves ranges"
+                )
+            content_range = resp.headers.get("Content-Range", "")
+            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range.strip())
+            if not m or int(m[1]) != offset or int(m[2]) != end:
+                raise StoreError(
+                    f"{self.where}: {what}: asked for bytes {offset}-{end}, got "
+                    f"{content_range or 'no Content-Range'}"
+                )
+            data = _read_at_most(resp, length + 1, self.where, what)
+        finally:
+            resp.close()
+        if len(data) != length:
+            raise StoreError(
+                f"{self.where}: {what}: range {offset}+{length} returned {len(data)} bytes"
+            )
+        return data
+
+    def upload_blob(self, digest: str, source: Path | bytes) -> None:
+        """Upload a blob (POST, then one PUT or PATCH chunks + PUT); skipped if present.
+        The registry checks the digest before the blob becomes visible."""
+        check_digest(digest)
+        if self.has_blob(digest):
+            return
+        what = f"upload of blob {digest}"
+        try:
+            size = source.stat().st_size if isinstance(source, Path) else len(source)
+        except OSError as e:
+            raise StoreError(f"{self.where}: {what}: cannot read {source}: {e.strerror}") from None
+        resp = self._request(
+            "POST", f"{self.base}/blobs/uploads/", what, push=True, ok=(202, 201), idempotent=False
+        )
+        location = self._location(resp, what)
+        try:
+            if size <= self.monolithic_limit:
+                body = source.read_bytes() if isinstance(source, Path) else source
+                self._finish_upload(location, digest, body, what)
+            else:
+                location = self._upload_chunks(location, source, size, what)
+                self._finish_upload(location, digest, b"", what)
+        except BaseException as e:
+            with contextlib.suppress(ImageToolError, httpx.HTTPError):
+                self._request(
+                    "DELETE", location, "cancel upload", push=True, ok=(204, 202, 200, 404),
+                    idempotent=False,
+                )  # fmt: skip
+            if isinstance(e, OSError):
+                raise StoreError(
+                    f"{self.where}: {what}: cannot read {source}: {e.strerror or e}"
+                ) from None
+            raise
+        log.debug("uploaded blob %s (%d bytes) to %s", digest, size, self.where)
+
+    def put_manifest(self, reference: str, body: bytes, media_type: str) -> str:
+        """Store a manifest under a tag or digest; returns its digest."""
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        self._request(
+            "PUT",
+            f"{self.base}/manifests/{reference}",
+            f"manifest {reference}",
+            headers={"Content-Type": media_type},
+            content=body,
+            push=True,
+            ok=(201, 200, 202),
+            idempotent=False,
+        )
+        return digest
+
+    def list_tags(self) -> list[str]:
+        tags: list[str] = []
+        url: str | None = f"{self.base}/tags/list"
+        while url:
+            resp = self._request("GET", url, "tag list")
+            try:
+                doc = resp.json()
+                tags.extend(str(t) for t in doc.get("tags") or [])
+            except (ValueError, AttributeError):
+                raise StoreError(f"{self.where}: malformed tag list") from None
+            link = resp.links.get("next", {}).get("url")
+            url = urljoin(str(resp.url), link) if link else None
+        return tags
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- uploads --------------------------------------------------------------------------
+
+    def _location(self, resp: httpx.Response, what: str) -> str:
+        location = resp.headers.get("Location")
+        if not location:
+            raise StoreError(f"{self.where}: {what}: registry gave no upload location")
+        return urljoin(str(resp.url), location)
+
+    def _upload_chunks(self, location: str, source: Path | bytes, size: int, what: str) -> str:
+        offset = 0
+        with open(source, "rb") if isinstance(source, Path) else io.BytesIO(source) as f:
+            while offset < size:
+                chunk = f.read(self.upload_chunk)
+                if not chunk:
+                    raise StoreError(f"{self.where}: {what}: source shrank while uploading")
+                resp = self._request(
+                    "PATCH",
+                    location,
+                    what,
+                    headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
+                    },
+                    content=chunk,
+                    push=True,
+                    ok=(202,),
+                    idempotent=False,
+                )
+                location = self._location(resp, what)
+                offset += len(chunk)
+        return location
+
+    def _finish_upload(self, location: str, digest: str, body: bytes, what: str) -> None:
+        url = httpx.URL(location)
+        url = url.copy_merge_params({"digest": digest})
+        try:
+            self._request(
+                "PUT",
+                str(url),
+                what,
+                headers={"Content-Type": "application/octet-stream"},
+                content=body,
+                push=True,
+                ok=(201, 204),
+                idempotent=False,
+            )
+        except StoreError as e:
+            if "DIGEST_INVALID" in str(e):
+                raise DigestMismatchError(
+                    f"{self.where}: {what}: the registry says the content does not match"
+                ) from None
+            raise
+
+    # --- requests, retries, auth ----------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        url: str,
+        what: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        content: bytes | None = None,
+        push: bool = False,
+        ok: Sequence[int] = (200,),
+        stream: bool = False,
+        follow_redirects: bool = False,
+        idempotent: bool | None = None,
+        range_ok: bool = False,
+    ) -> httpx.Response:
+        """Send a request with auth, retries and error mapping; returns a response whose
+        status is in ``ok`` (or 416, with ``range_ok``)."""
+        if idempotent is None:
+            idempotent = method in ("GET", "HEAD")
+        attempt = 0
+        challenged = False
+        while True:
+            hdrs = dict(headers or {})
+            auth = self._auth_header(push)
+            if auth:
+                hdrs["Authorization"] = auth
+            try:
+                request = self._http.build_request(method, url, headers=hdrs, content=content)
+                resp = self._http.send(request, stream=stream, follow_redirects=follow_redirects)
+            except httpx.TimeoutException:
+                raise StoreTimeoutError(
+                    f"{self.where}: {what}: no answer within {self.options.timeout:g}s"
+                ) from None
+            except httpx.TransportError as e:
+                if idempotent and attempt < self.options.retries:
+                    attempt = self._backoff(attempt, what, _one_line(e))
+                    continue
+                raise StoreError(
+                    f"{self.where}: {what}: {type(e).__name__}: {_one_line(e)}"
+                ) from None
+            status = resp.status_code
+            if status == 401 and not challenged:
+                header = resp.headers.get("WWW-Authenticate", "")
+                resp.close()
+                self._answer_challenge(header, push, had_auth=bool(auth))
+                challenged = True
+                continue
+            if status in _RETRY_STATUS and idempotent and attempt < self.options.retries:
+                resp.close()
+                attempt = self._backoff(attempt, what, f"HTTP {status}")
+                continue
+            if status in ok or (range_ok and status == 416):
+                return resp
+            try:
+                if stream:
+                    resp.read()
+                self._raise_for(resp, what)
+            finally:
+                resp.close()
+
+    def _backoff(self, attempt: int, what: str, why: str) -> int:
+        delay = random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * (2**attempt)))
+        log.debug("%s: %s: %s; retrying in %.2fs", self.where, what, why, delay)
+        time.sleep(delay)
+        return attempt + 1
+
+    def _raise_for(self, resp: httpx.Response, what: str) -> NoReturn:
+        status = resp.status_code
+        detail = _registry_error(resp)
+        message = f"{self.where}: {what}: HTTP {status}" + (f" {detail}" if detail else "")
+        if status == 404:
+            raise NotFoundError(message)
+        if status in (401, 403):
+            raise AuthError(message)
+        raise StoreError(message)
+
+    def _scope(self, push: bool) -> str:
+        return f"repository:{self.repository}:{'pull,push' if push else 'pull'}"
+
+    def _creds(self) -> tuple[str, str] | None:
+        if not self._credentials_loaded:
+            path = default_docker_config(self.options)
+            self._credentials = load_docker_credentials(path, self.host)
+            self._credentials_loaded = True
+            log.debug(
+                "%s: %s credentials in %s", self.host,
+                "found" if self._credentials else "no", path,
+            )  # fmt: skip
+        return self._credentials
+
+    def _auth_header(self, push: bool) -> str | None:
+        if self._scheme == "basic":
+            creds = self._creds()
+            return _basic(creds) if creds else None
+        if self._scheme == "bearer":
+            scope = self._scope(push)
+            with self._token_lock:
+                token = self._tokens.get(scope)
+                if token is None or time.monotonic() >= token.expires:
+                    token = self._fetch_token(scope)
+            return f"Bearer {token.value}"
+        return None
+
+    def _answer_challenge(self, header: str, push: bool, had_auth: bool) -> None:
+        challenge = parse_challenge(header) if header else None
+        if challenge is None or challenge.scheme not in ("basic", "bearer"):
+            raise AuthError(
+                f"{self.where}: registry answered 401 without a usable challenge "
+                f"({header.split(' ', 1)[0] if header else 'none'})"
+            )
+        if challenge.scheme == "basic":
+            if self._creds() is None:
+                raise AuthError(
+                    f"{self.where}: registry requires credentials; none for {self.host} in "
+                    f"{default_docker_config(self.options)}"
+                )
+            if had_auth and self._scheme == "basic":
+                raise AuthError(f"{self.where}: registry refused our credentials")
+            self._require_secure(self.base)
+            self._scheme = "basic"
+            return
+        realm = challenge.params.get("realm")
+        if not realm:
+            raise AuthError(f"{self.where}: bearer challenge without a realm")
+        self._scheme = "bearer"
+        self._bearer = {"realm": realm, "service": challenge.params.get("service", "")}
+        # A 401 despite a token: it expired or lacks the scope; fetch a fresh one once.
+        with self._token_lock:
+            self._tokens.pop(self._scope(push), None)
+
+    def _require_secure(self, url: str) -> None:
+        if urlsplit(url).scheme != "https" and not self.options.plain_http:
+            raise AuthError(f"{self.where}: refusing to send credentials over plain HTTP to {url}")
+
+    def _fetch_token(self, scope: str) -> _Token:
+        realm = self._bearer["realm"]
+        realm_host = urlsplit(realm).netloc or realm
+        params = {"scope": scope}
+        if self._bearer.get("service"):
+            params["service"] = self._bearer["service"]
+        headers: dict[str, str] = {}
+        creds = self._creds()
+        if creds:
+            self._require_secure(realm)
+            headers["Authorization"] = _basic(creds)
+            params["account"] = creds[0]
+        what = f"token for {scope} from {realm_host}"
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.get(realm, params=params, headers=headers, follow_redirects=True)
+            except httpx.TimeoutException:
+                raise StoreTimeoutError(
+                    f"{self.where}: {what}: no answer within {self.options.timeout:g}s"
+                ) from None
+            except httpx.TransportError as e:
+                if attempt < self.options.retries:
+                    attempt = self._backoff(attempt, what, _one_line(e))
+                    continue
+                raise StoreError(
+                    f"{self.where}: {what}: {type(e).__name__}: {_one_line(e)}"
+                ) from None
+            if resp.status_code in _RETRY_STATUS and attempt < self.options.retries:
+                attempt = self._backoff(attempt, what, f"HTTP {resp.status_code}")
+                continue
+            break
+        if resp.status_code in (401, 403):
+            raise AuthError(
+                f"{self.where}: token service {realm_host} refused "
+                f"{'our credentials' if creds else 'anonymous access'} for {scope}"
+            )
+        if resp.status_code != 200:
+            raise StoreError(f"{self.where}: {what}: HTTP {resp.status_code}")
+        try:
+            doc = resp.json()
+            value = doc.get("token") or doc.get("access_token")
+            lifetime = float(doc.get("expires_in") or DEFAULT_TOKEN_LIFETIME)
+        except (ValueError, AttributeError, TypeError):
+            raise StoreError(f"{self.where}: {what}: malformed token response") from None
+        if not value or not isinstance(value, str):
+            raise StoreError(f"{self.where}: {what}: token response has no token")
+        token = _Token(value, time.monotonic() + lifetime - min(TOKEN_MARGIN, lifetime / 2))
+        self._tokens[scope] = token
+        log.debug("%s: got a token for %s (valid %.0fs)", self.where, scope, lifetime)
+        return token
+
+
+class _BlobReader:
+    """A file-like view (``read``) of a streaming blob response; verifies the digest at EOF."""
+
+    def __init__(self, resp: httpx.Response, digest: str, where: str) -> None:
+        self._chunks = resp.iter_bytes()
+        self._buf = bytearray()
+        self._hash = hashlib.sha256()
+        self._digest = digest
+        self._where = where
+        self._eof = False
+        length = resp.headers.get("Content-Length")
+        self._expected = int(length) if length and length.isdigit() else None
+        self._seen = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        while not self._eof and (n < 0 or len(self._buf) < n):
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                self._finish()
+                break
+            except httpx.TimeoutException:
+                raise StoreTimeoutError(
+                    f"{self._where}: blob {self._digest}: read timed out"
+                ) from None
+            except httpx.HTTPError as e:
+                raise StoreError(f"{self._where}: blob {self._digest}: {_one_line(e)}") from None
+            self._hash.update(chunk)
+            self._seen += len(chunk)
+            self._buf += chunk
+            if self._expected is not None and self._seen >= self._expected:
+                self._finish()
+        if n < 0 or n >= len(self._buf):
+            out = bytes(self._buf)
+            self._buf.clear()
+        else:
+            out = bytes(self._buf[:n])
+            del self._buf[:n]
+        return out
+
+    def _finish(self) -> None:
+        self._eof = True
+        actual = "sha256:" + self._hash.hexdigest()
+        if actual != self._digest:
+            raise DigestMismatchError(f"{self._where}: blob {self._digest} hashes to {actual}")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _BlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_at_most(resp: httpx.Response, limit: int, where: str, what: str) -> bytes:
+    buf = bytearray()
+    try:
+        for chunk in resp.iter_bytes():
+            buf += chunk
+            if len(buf) >= limit:
+                break
+    except httpx.TimeoutException:
+        raise StoreTimeoutError(f"{where}: {what}: read timed out") from None
+    except httpx.HTTPError as e:
+        raise StoreError(f"{where}: {what}: {_one_line(e)}") from None
+    return bytes(buf)
+
+
+def _basic(creds: tuple[str, str]) -> str:
+    return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+
+
+def _registry_error(resp: httpx.Response) -> str:
+    """``CODE: message`` from a distribution-spec error body, if there is one."""
+    try:
+        errors = resp.json().get("errors") or []
+        first = errors[0]
+        text = f"{first.get('code', '')}: {first.get('message', '')}".strip(": ")
+    except (ValueError, AttributeError, IndexError, TypeError, httpx.ResponseNotRead):
+        return ""
+    return _one_line(text)[:200]
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())

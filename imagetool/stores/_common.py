@@ -1,0 +1,69 @@
+"""Helpers shared by the store backends: argument checks and digest verification."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from imagetool.errors import DigestMismatchError, NotFoundError, StoreError
+from imagetool.format import Index, check_digest
+from imagetool.stores.refs import check_tag
+
+if TYPE_CHECKING:
+    from imagetool.stores.base import Store
+
+# Read size when hashing or copying a local file.
+COPY_CHUNK = 4 << 20
+
+
+def check_range(where: str, offset: int, length: int, size: int | None = None) -> None:
+    """Reject negative arguments, and (when the size is known) ranges past the end."""
+    if offset < 0 or length < 0:
+        raise StoreError(f"{where}: invalid range offset={offset} length={length}")
+    if size is not None and offset + length > size:
+        raise StoreError(
+            f"{where}: range {offset}+{length} is past the end of the blob ({size} bytes)"
+        )
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def verify_source(digest: str, source: Path | bytes, where: str) -> None:
+    """Check that ``source`` hashes to ``digest`` before a backend makes it visible."""
+    check_digest(digest)
+    try:
+        actual = (
+            file_digest(source)
+            if isinstance(source, Path)
+            else "sha256:" + hashlib.sha256(source).hexdigest()
+        )
+    except OSError as e:
+        raise StoreError(f"{where}: cannot read {source}: {e.strerror or e}") from None
+    if actual != digest:
+        raise DigestMismatchError(f"{where}: content hashes to {actual}, not {digest}")
+
+
+def check_publishable(store: Store, tag: str, index_bytes: bytes) -> Index:
+    """Validate a publish: a good tag, a well-formed index, its data blob present in full."""
+    check_tag(tag)
+    index = Index.from_bytes(index_bytes)
+    try:
+        size = store.blob_size(index.blob_digest)
+    except NotFoundError:
+        raise NotFoundError(
+            f"{store.url}: cannot publish {store.name}:{tag}: data blob {index.blob_digest} "
+            "is not in the store (put it first)"
+        ) from None
+    if size != index.blob_size:
+        raise StoreError(
+            f"{store.url}: cannot publish {store.name}:{tag}: data blob {index.blob_digest} "
+            f"has {size} bytes, the index says {index.blob_size}"
+        )
+    return index

@@ -1,0 +1,169 @@
+"""Image references: which store, which image name, which tag or digest.
+
+    /path/to/store/NAME[:TAG|@sha256:HEX]        a directory store (also relative paths)
+    file:///path/to/store/NAME[:TAG|@sha256:HEX]
+    s3://BUCKET[/PREFIX]/NAME[:TAG|@sha256:HEX]
+    docker://HOST[:PORT]/REPO/PATH[:TAG|@sha256:HEX]
+
+For directory and S3 stores the last path component is ``NAME[:TAG]`` and everything before
+it is the store. For ``docker://`` the whole repository path is the name. ``@sha256:`` names
+an index digest directly (for ``docker://``, a manifest digest). The tag defaults to
+``latest`` unless a digest is given. This module only parses; ``imagetool.stores.open_store``
+turns a reference into a ``Store``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from imagetool.errors import ReferenceError_
+
+DEFAULT_TAG = "latest"
+
+# The distribution spec's grammar, shared by every backend so that one name works everywhere.
+_NAME_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_HOST = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?"
+)
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+SCHEME_DIR = "dir"
+SCHEME_S3 = "s3"
+SCHEME_DOCKER = "docker"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A parsed reference. ``tag`` is ``None`` only when a digest is given without one."""
+
+    store_url: str  # "/srv/images", "s3://bucket/prefix", "docker://host:5000"
+    name: str  # "myimage" or, for docker://, the repository path "team/myimage"
+    tag: str | None = DEFAULT_TAG
+    digest: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        if self.store_url.startswith("s3://"):
+            return SCHEME_S3
+        if self.store_url.startswith("docker://"):
+            return SCHEME_DOCKER
+        return SCHEME_DIR
+
+    def __str__(self) -> str:
+        text = f"{self.store_url.rstrip('/')}/{self.name}"
+        if self.tag is not None:
+            text += f":{self.tag}"
+        if self.digest is not None:
+            text += f"@{self.digest}"
+        return text
+
+
+def check_name_component(name: str, text: str = "") -> str:
+    if not _NAME_COMPONENT.fullmatch(name):
+        raise ReferenceError_(
+            f"invalid image name {name!r}{_in(text)}: use lowercase letters, digits and "
+            "single '.', '_' or '-' separators"
+        )
+    return name
+
+
+def check_tag(tag: str, text: str = "") -> str:
+    if not _TAG.fullmatch(tag):
+        raise ReferenceError_(
+            f"invalid tag {tag!r}{_in(text)}: up to 128 letters, digits, '_', '.' or '-', "
+            "not starting with '.' or '-'"
+        )
+    return tag
+
+
+def parse_ref(text: str) -> ImageRef:
+    """Parse an image reference; ``ReferenceError_`` with a one-line message if malformed."""
+    if not isinstance(text, str) or not text.strip():
+        raise ReferenceError_("empty image reference")
+    if any(c.isspace() for c in text):
+        raise ReferenceError_(f"image reference {text!r} contains whitespace")
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return _parse_dir(text, text)
+    if scheme == "file":
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ReferenceError_(
+                f"file reference {text!r} must be file:///absolute/path/NAME[:TAG]"
+            )
+        return _parse_dir("/" + path, text)
+    if scheme == "s3":
+        return _parse_s3(rest, text)
+    if scheme == "docker":
+        return _parse_docker(rest, text)
+    raise ReferenceError_(
+        f"unknown store scheme {scheme!r} in {text!r} (use a path, file://, s3:// or docker://)"
+    )
+
+
+def _split_tag_digest(last: str, text: str) -> tuple[str, str | None, str | None]:
+    """``NAME[:TAG][@DIGEST]`` -> (name, tag, digest)."""
+    name, at, digest = last.partition("@")
+    if at:
+        if not _DIGEST.fullmatch(digest):
+            raise ReferenceError_(
+                f"invalid digest {digest!r} in {text!r}: expected sha256:<64 hex>"
+            )
+    name, colon, tag = name.partition(":")
+    if colon:
+        check_tag(tag, text)
+        tag_or_none: str | None = tag
+    else:
+        tag_or_none = None if at else DEFAULT_TAG
+    return name, tag_or_none, (digest if at else None)
+
+
+def _parse_dir(path: str, text: str) -> ImageRef:
+    store, slash, last = path.rpartition("/")
+    if not slash or not last:
+        raise ReferenceError_(f"reference {text!r} names no store: use /path/to/store/NAME[:TAG]")
+    name, tag, digest = _split_tag_digest(last, text)
+    check_name_component(name, text)
+    return ImageRef(store or "/", name, tag, digest)
+
+
+def _parse_s3(rest: str, text: str) -> ImageRef:
+    parts = rest.split("/")
+    if len(parts) < 2 or not parts[-1]:
+        raise ReferenceError_(f"S3 reference {text!r} must be s3://BUCKET[/PREFIX]/NAME[:TAG]")
+    bucket, prefix, last = parts[0], parts[1:-1], parts[-1]
+    if not _BUCKET.fullmatch(bucket):
+        raise ReferenceError_(f"invalid S3 bucket name {bucket!r} in {text!r}")
+    if any(p in ("", ".", "..") for p in prefix):
+        raise ReferenceError_(f"empty or relative prefix component in {text!r}")
+    name, tag, digest = _split_tag_digest(last, text)
+    check_name_component(name, text)
+    store = "s3://" + "/".join([bucket, *prefix])
+    return ImageRef(store, name, tag, digest)
+
+
+def _parse_docker(rest: str, text: str) -> ImageRef:
+    host, slash, path = rest.partition("/")
+    if not slash or not host or not path:
+        raise ReferenceError_(
+            f"registry reference {text!r} must be docker://HOST[:PORT]/REPOSITORY[:TAG]"
+        )
+    if not _HOST.fullmatch(host):
+        raise ReferenceError_(f"invalid registry host {host!r} in {text!r}")
+    components = path.split("/")
+    repo_components, last = components[:-1], components[-1]
+    name, tag, digest = _split_tag_digest(last, text)
+    for c in [*repo_components, name]:
+        check_name_component(c, text)
+    repository = "/".join([*repo_components, name])
+    if len(repository) > 255:
+        raise ReferenceError_(f"repository name in {text!r} is longer than 255 characters")
+    return ImageRef(f"docker://{host}", repository, tag, digest)
+
+
+def _in(text: str) -> str:
+    return f" in {text!r}" if text else ""

@@ -1,0 +1,191 @@
+"""The OCI registry store: a block image as an ordinary OCI image manifest.
+
+A published image is an OCI image manifest (``application/vnd.oci.image.manifest.v1+json``)
+under the tag, whose
+
+- config is a standard OCI image config: architecture/os from the index's platform, the
+  source image's ``config`` (Entrypoint, Env, User, WorkingDir, ...), and ``rootfs.diff_ids``
+  = [data blob digest, index digest];
+- layers are [the data blob (``format.BLOB_MEDIA_TYPE``), the index
+  (``format.INDEX_MEDIA_TYPE``)], annotated with ``format.ANNOTATION_ROLE`` and, on the index
+  layer and the manifest, ``ANNOTATION_INDEX_DIGEST``/``ANNOTATION_BLOB_DIGEST``.
+
+So any distribution-spec registry that honours ``Range`` can hold block images, and
+``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from imagetool.errors import FormatError, NotFoundError
+from imagetool.format import (
+    ANNOTATION_BLOB_DIGEST,
+    ANNOTATION_INDEX_DIGEST,
+    ANNOTATION_ROLE,
+    BLOB_MEDIA_TYPE,
+    INDEX_MEDIA_TYPE,
+    Index,
+    check_digest,
+    sha256_digest,
+)
+from imagetool.registry import RegistryClient
+from imagetool.stores._common import check_publishable, check_range
+from imagetool.stores.base import Store, StoreOptions
+from imagetool.stores.refs import ImageRef, check_tag
+
+log = logging.getLogger(__name__)
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+# What resolve() accepts, so that an ordinary image gives a clear error rather than a 404.
+MANIFEST_ACCEPT = (OCI_MANIFEST, DOCKER_MANIFEST, OCI_INDEX, DOCKER_LIST)
+# Used only when an index carries no platform (the converter always records one).
+DEFAULT_PLATFORM = "linux/amd64"
+
+
+class RegistryStore(Store):
+    """One repository of an OCI registry."""
+
+    def __init__(self, host: str, repository: str, options: StoreOptions | None = None) -> None:
+        self.client = RegistryClient(host, repository, options or StoreOptions())
+        self.url = f"docker://{host}/{repository}"
+        self.name = repository
+
+    # --- blobs ----------------------------------------------------------------------------
+
+    def has_blob(self, digest: str) -> bool:
+        return self.client.has_blob(digest)
+
+    def blob_size(self, digest: str) -> int:
+        return self.client.blob_size(digest)
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        check_range(f"{self.url}: blob {digest}", offset, length)
+        return self.client.read_range(digest, offset, length)
+
+    def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
+        del media_type  # registry blobs are untyped; the manifest gives the types
+        self.client.upload_blob(digest, source)
+
+    # --- tags -----------------------------------------------------------------------------
+
+    def resolve(self, tag: str) -> str:
+        """The index digest of the image under a tag (or a manifest digest)."""
+        if not tag.startswith("sha256:"):
+            check_tag(tag)
+        body, media_type, _ = self.client.get_manifest(tag, MANIFEST_ACCEPT)
+        return index_digest_from_manifest(body, media_type, f"{self.url}:{tag}")
+
+    def resolve_ref(self, ref: ImageRef) -> str:
+        """For ``docker://`` references, ``@sha256:`` is the manifest's digest."""
+        return self.resolve(ref.digest or ref.tag or "latest")
+
+    def publish(self, tag: str, index_bytes: bytes) -> str:
+        index = check_publishable(self, tag, index_bytes)
+        index_digest = sha256_digest(index_bytes)
+        config = image_config(index, index_digest)
+        config_digest = sha256_digest(config)
+        manifest = image_manifest(index, index_digest, len(index_bytes), config_digest, config)
+        self.client.upload_blob(config_digest, config)
+        self.client.upload_blob(index_digest, index_bytes)
+        manifest_digest = self.client.put_manifest(tag, manifest, OCI_MANIFEST)
+        log.info(
+            "published %s:%s -> index %s (manifest %s)", self.url, tag, index_digest,
+            manifest_digest,
+        )  # fmt: skip
+        return index_digest
+
+    def list_tags(self) -> list[str]:
+        try:
+            return sorted(self.client.list_tags())
+        except NotFoundError:
+            return []
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def image_config(index: Index, index_digest: str) -> bytes:
+    """The OCI image config pushed with a block image (deterministic bytes)."""
+    platform = index.platform or DEFAULT_PLATFORM
+    if not index.platform:
+        log.warning("index %s records no platform; labelling it %s", index_digest, platform)
+    os_, _, rest = platform.partition("/")
+    arch, _, variant = rest.partition("/")
+    doc: dict[str, Any] = {
+        "architecture": arch or "amd64",
+        "os": os_ or "linux",
+        "config": index.config,
+        "rootfs": {"type": "layers", "diff_ids": [index.blob_digest, index_digest]},
+    }
+    if variant:
+        doc["variant"] = variant
+    return _canonical(doc)
+
+
+def image_manifest(
+    index: Index, index_digest: str, index_size: int, config_digest: str, config: bytes
+) -> bytes:
+    """The OCI image manifest of a block image (deterministic bytes)."""
+    digests = {ANNOTATION_INDEX_DIGEST: index_digest, ANNOTATION_BLOB_DIGEST: index.blob_digest}
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+        "layers": [
+            {
+                "mediaType": BLOB_MEDIA_TYPE,
+                "digest": index.blob_digest,
+                "size": index.blob_size,
+                "annotations": {ANNOTATION_ROLE: "blob"},
+            },
+            {
+                "mediaType": INDEX_MEDIA_TYPE,
+                "digest": index_digest,
+                "size": index_size,
+                "annotations": {ANNOTATION_ROLE: "index", **digests},
+            },
+        ],
+        "annotations": digests,
+    }
+    return _canonical(doc)
+
+
+def index_digest_from_manifest(body: bytes, media_type: str, where: str) -> str:
+    """The lazyblock index digest named by a manifest; ``FormatError`` if it is not one."""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise FormatError(f"{where}: manifest is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: manifest is not a JSON object")
+    kind = media_type or str(doc.get("mediaType", ""))
+    if kind in (OCI_INDEX, DOCKER_LIST) or "manifests" in doc:
+        raise FormatError(
+            f"{where} is a multi-platform image index, not a lazyblock block image; "
+            "convert it with imagetool first"
+        )
+    layers = doc.get("layers")
+    if isinstance(layers, list):
+        for layer in layers:
+            if not isinstance(layer, dict):
+                continue
+            annotations = layer.get("annotations") or {}
+            role = annotations.get(ANNOTATION_ROLE) if isinstance(annotations, dict) else None
+            if role == "index" or layer.get("mediaType") == INDEX_MEDIA_TYPE:
+                return check_digest(str(layer.get("digest")))
+    raise FormatError(
+        f"{where} is an ordinary container image, not a lazyblock block image (no layer of "
+        f"type {INDEX_MEDIA_TYPE}); convert it with imagetool first"
+    )

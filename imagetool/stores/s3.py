@@ -1,0 +1,271 @@
+"""The S3 store (boto3).
+
+    s3://BUCKET/PREFIX/blobs/sha256/<hex>    content-addressed blobs
+    s3://BUCKET/PREFIX/refs/<name>/<tag>     one line: the index digest
+
+Credentials come from boto3's normal chain; the endpoint can be overridden with the
+``AWS_ENDPOINT_URL`` environment variable, which boto3 itself honours (this module reads no
+environment). S3 makes an object visible only once its upload (single or multipart) has
+completed, so a failed upload leaves no blob behind. Timeouts and retries come from
+``StoreOptions``; botocore errors are mapped to ``imagetool.errors`` here.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import boto3
+import botocore.exceptions
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
+from imagetool.format import INDEX_MEDIA_TYPE, check_digest, sha256_digest
+from imagetool.stores._common import check_publishable, check_range, verify_source
+from imagetool.stores.base import Store, StoreOptions
+from imagetool.stores.refs import check_name_component, check_tag
+
+log = logging.getLogger(__name__)
+
+# Files above this size go up as multipart uploads, in parts of MULTIPART_CHUNK (S3 allows at
+# most 10,000 parts, so 64 MiB parts cover 640 GB).
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNK = 64 << 20
+UPLOAD_CONCURRENCY = 8
+
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_AUTH = {
+    "401",
+    "403",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+}
+
+T = TypeVar("T")
+
+
+class S3Store(Store):
+    """One image name under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self, bucket: str, prefix: str, name: str, options: StoreOptions | None = None
+    ) -> None:
+        options = options or StoreOptions()
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.name = check_name_component(name)
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        config = Config(
+            connect_timeout=options.timeout,
+            read_timeout=options.timeout,
+            retries={"total_max_attempts": options.retries + 1, "mode": "standard"},
+        )
+        self._client = _call(self.url, lambda: _new_client(config))
+        self._transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD,
+            multipart_chunksize=MULTIPART_CHUNK,
+            max_concurrency=UPLOAD_CONCURRENCY,
+        )
+
+    # --- keys -----------------------------------------------------------------------------
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts] if self.prefix else list(parts))
+
+    def _blob_key(self, digest: str) -> str:
+        return self._key("blobs", "sha256", check_digest(digest).removeprefix("sha256:"))
+
+    def _ref_key(self, tag: str) -> str:
+        return self._key("refs", self.name, check_tag(tag))
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # --- blobs ----------------------------------------------------------------------------
+
+    def has_blob(self, digest: str) -> bool:
+        try:
+            self.blob_size(digest)
+        except NotFoundError:
+            return False
+        return True
+
+    def blob_size(self, digest: str) -> int:
+        key = self._blob_key(digest)
+        head = _call(
+            self._where(key), lambda: self._client.head_object(Bucket=self.bucket, Key=key)
+        )
+        return int(head["ContentLength"])
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        key = self._blob_key(digest)
+        where = self._where(key)
+        check_range(where, offset, length)
+        if length == 0:
+            check_range(where, offset, length, self.blob_size(digest))
+            return b""
+
+        def get() -> bytes:
+            resp = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
+            )
+            with resp["Body"] as body:
+                return body.read()
+
+        try:
+            data = _call(where, get)
+        except StoreError as e:
+            if "InvalidRange" in str(e) or "416" in str(e):
+                raise StoreError(
+                    f"{where}: range {offset}+{length} is past the end of the blob"
+                ) from None
+            raise
+        if len(data) != length:
+            raise StoreError(
+                f"{where}: range {offset}+{length} returned {len(data)} bytes "
+                "(past the end of the blob?)"
+            )
+        return data
+
+    def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
+        if self.has_blob(digest):
+            return
+        key = self._blob_key(digest)
+        where = self._where(key)
+        verify_source(digest, source, where)
+        extra = {"ContentType": media_type or "application/octet-stream"}
+        if isinstance(source, Path):
+            _call(
+                where,
+                lambda: self._client.upload_file(
+                    str(source), self.bucket, key, ExtraArgs=extra, Config=self._transfer
+                ),
+            )
+        else:
+            _call(
+                where,
+                lambda: self._client.upload_fileobj(
+                    io.BytesIO(source), self.bucket, key, ExtraArgs=extra, Config=self._transfer
+                ),
+            )
+        log.debug("uploaded blob %s to %s", digest, where)
+
+    # --- tags -----------------------------------------------------------------------------
+
+    def resolve(self, tag: str) -> str:
+        key = self._ref_key(tag)
+        where = self._where(key)
+
+        def get() -> bytes:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            with resp["Body"] as body:
+                return body.read()
+
+        try:
+            text = _call(where, get)
+        except NotFoundError:
+            raise NotFoundError(f"{self.name}:{tag} not found in {self.url}") from None
+        try:
+            return check_digest(text.decode().strip())
+        except ValueError:
+            raise StoreError(f"{where}: ref is corrupt") from None
+
+    def publish(self, tag: str, index_bytes: bytes) -> str:
+        check_publishable(self, tag, index_bytes)
+        digest = sha256_digest(index_bytes)
+        self.put_blob(digest, index_bytes, INDEX_MEDIA_TYPE)
+        key = self._ref_key(tag)
+        _call(
+            self._where(key),
+            lambda: self._client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=(digest + "\n").encode(),
+                ContentType="text/plain",
+            ),
+        )
+        log.info("published %s:%s -> %s in %s", self.name, tag, digest, self.url)
+        return digest
+
+    def list_tags(self) -> list[str]:
+        prefix = self._key("refs", self.name) + "/"
+
+        def listing() -> list[str]:
+            tags: list[str] = []
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rest = obj["Key"][len(prefix) :]
+                    if rest and "/" not in rest:
+                        tags.append(rest)
+            return sorted(tags)
+
+        return _call(self.url, listing)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+_session_lock = threading.Lock()
+
+
+def _new_client(config: Config) -> Any:
+    """An S3 client from boto3's default session: creating clients from one session reuses
+    its loaded service models and credentials (and a session is not thread-safe)."""
+    with _session_lock:
+        return boto3.client("s3", config=config)
+
+
+def _call(where: str, fn: Callable[[], T]) -> T:
+    """Run a boto3 call, mapping its errors to imagetool's."""
+    try:
+        return fn()
+    except botocore.exceptions.ClientError as e:
+        _raise_client_error(where, e.response)
+    except S3UploadFailedError as e:
+        cause = e.__context__
+        if isinstance(cause, botocore.exceptions.ClientError):
+            _raise_client_error(where, cause.response)
+        raise StoreError(f"{where}: upload failed: {_one_line(e)}") from None
+    except (
+        botocore.exceptions.ConnectTimeoutError,
+        botocore.exceptions.ReadTimeoutError,
+    ) as e:
+        raise StoreTimeoutError(f"{where}: timed out: {_one_line(e)}") from None
+    except (
+        botocore.exceptions.NoCredentialsError,
+        botocore.exceptions.PartialCredentialsError,
+    ) as e:
+        raise AuthError(f"{where}: {_one_line(e)}") from None
+    except botocore.exceptions.BotoCoreError as e:
+        raise StoreError(f"{where}: {_one_line(e)}") from None
+
+
+def _raise_client_error(where: str, response: dict[str, Any]) -> NoReturn:
+    err = response.get("Error", {})
+    code = str(err.get("Code", ""))
+    status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    message = _one_line(err.get("Message") or code or f"HTTP {status}")
+    if code in _NOT_FOUND or (status == "404" and code not in _AUTH):
+        raise NotFoundError(f"{where}: not found")
+    if code in _AUTH or status in ("401", "403"):
+        raise AuthError(f"{where}: access denied ({code or status}: {message})")
+    if code in ("RequestTimeout", "RequestTimeoutException"):
+        raise StoreTimeoutError(f"{where}: timed out ({message})")
+    raise StoreError(f"{where}: {code or 'HTTP ' + status}: {message}")
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())

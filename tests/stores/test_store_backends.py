@@ -1,0 +1,136 @@
+"""Directory and S3 store specifics: on-disk layout, atomic writes, multipart, error mapping."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from imagetool.errors import NotFoundError, StoreError, StoreTimeoutError
+from imagetool.format import BLOB_MEDIA_TYPE, sha256_digest
+from imagetool.stores import StoreOptions
+from imagetool.stores.dir import DirStore
+from imagetool.stores.s3 import S3Store
+
+# --- directory store ----------------------------------------------------------------------
+
+
+def test_dir_layout(tmp_path: Path, image) -> None:
+    store = DirStore(tmp_path, "app")
+    store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    store.publish("v1", image.index_bytes)
+    blobs = tmp_path / "blobs" / "sha256"
+    assert sorted(p.name for p in blobs.iterdir()) == sorted(
+        d.removeprefix("sha256:") for d in (image.blob_digest, image.index_digest)
+    )
+    assert (tmp_path / "refs" / "app" / "v1").read_text().strip() == image.index_digest
+    assert not [p for p in tmp_path.rglob(".tmp-*")]
+
+
+def test_dir_failed_write_leaves_nothing(tmp_path: Path, image, monkeypatch) -> None:
+    store = DirStore(tmp_path, "app")
+
+    def broken_replace(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(StoreError, match="No space left"):
+        store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    monkeypatch.undo()
+    assert not store.has_blob(image.blob_digest)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_dir_put_from_other_filesystem_copies(tmp_path: Path, image, monkeypatch) -> None:
+    source = tmp_path / "src"
+    source.write_bytes(image.blob)
+
+    def no_link(src: object, dst: object) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    store = DirStore(tmp_path / "store", "app")
+    store.put_blob(image.blob_digest, source, BLOB_MEDIA_TYPE)
+    assert store.read_blob(image.blob_digest) == image.blob
+    assert source.read_bytes() == image.blob
+
+
+def test_dir_list_tags_skips_temporaries(tmp_path: Path, image) -> None:
+    store = DirStore(tmp_path, "app")
+    store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    store.publish("v1", image.index_bytes)
+    (tmp_path / "refs" / "app" / ".tmp-abc").write_text("partial")
+    assert store.list_tags() == ["v1"]
+
+
+def test_dir_corrupt_ref(tmp_path: Path, image) -> None:
+    store = DirStore(tmp_path, "app")
+    (tmp_path / "refs" / "app").mkdir(parents=True)
+    (tmp_path / "refs" / "app" / "v1").write_text("garbage")
+    with pytest.raises(StoreError, match="corrupt"):
+        store.resolve("v1")
+
+
+# --- S3 store -------------------------------------------------------------------------------
+
+
+def test_s3_multipart_upload(s3_bucket: str, tmp_path: Path) -> None:
+    data = os.urandom(11 << 20)  # three 5 MiB parts, the smallest S3 allows
+    path = tmp_path / "big"
+    path.write_bytes(data)
+    digest = sha256_digest(data)
+    with S3Store(s3_bucket, "", "app") as store:
+        store._transfer.multipart_threshold = 5 << 20
+        store._transfer.multipart_chunksize = 5 << 20
+        store.put_blob(digest, path, BLOB_MEDIA_TYPE)
+        assert store.blob_size(digest) == len(data)
+        assert store.read_range(digest, (5 << 20) - 3, 6) == data[(5 << 20) - 3 : (5 << 20) + 3]
+        import boto3
+
+        head = boto3.client("s3").head_object(Bucket=s3_bucket, Key=store._blob_key(digest))
+        assert "-" in head["ETag"]  # a multipart upload
+
+
+def test_s3_missing_bucket(s3_server: str) -> None:
+    with S3Store("lb-no-such-bucket", "p", "app") as store:
+        assert not store.has_blob("sha256:" + "0" * 64)
+        with pytest.raises(NotFoundError, match="lb-no-such-bucket"):
+            store.resolve("v1")
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A server that accepts connections and never answers; yields its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.1)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conns.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for c in conns:
+        c.close()
+    listener.close()
+
+
+def test_s3_timeout(s3_server: str, silent_server: str, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", silent_server)
+    with S3Store("bucket", "", "app", StoreOptions(timeout=0.5, retries=0)) as store:
+        with pytest.raises(StoreTimeoutError, match="s3://bucket"):
+            store.read_range("sha256:" + "0" * 64, 0, 10)
