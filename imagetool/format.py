@@ -183,25 +183,23 @@ class Index:
         _, size = self.sector_span(number)
         if entry.is_zero:
             data = bytes(size)
-        else:
-            if len(stored) != entry.length:
-                raise ChecksumError(
-                    f"sector {number}: got {len(stored)} stored bytes, expected {entry.length}"
-                )
-            try:
-                data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=size)
-            except zstandard.ZstdError as e:
-                raise ChecksumError(f"sector {number}: undecodable ({e})") from None
-        if len(data) != size or sector_checksum(data) != entry.checksum:
-            raise ChecksumError(f"sector {number}: checksum mismatch")
-        return data
+            if sector_checksum(data) != entry.checksum:
+                raise ChecksumError(f"sector {number}: checksum mismatch")
+            return data
+        if len(stored) != entry.length:
+            raise ChecksumError(
+                f"sector {number}: got {len(stored)} stored bytes, expected {entry.length}"
+            )
+        try:
+            return decode_stored(stored, entry.checksum, size)
+        except ChecksumError as e:
+            raise ChecksumError(f"sector {number}: {e}") from None
 
     # --- files ----------------------------------------------------------------------------
 
     def files_in_range(self, offset: int, length: int) -> Iterator[FileExtent]:
         """Files whose bytes overlap image range [offset, offset+length), by image offset."""
-        ordered = self._files_by_offset()
-        starts = [f.offset for f in ordered]
+        ordered, starts = self._files_by_offset()
         i = max(0, bisect.bisect_right(starts, offset) - 1)
         end = offset + length
         while i < len(ordered) and ordered[i].offset < end:
@@ -210,10 +208,11 @@ class Index:
                 yield f
             i += 1
 
-    def _files_by_offset(self) -> list[FileExtent]:
+    def _files_by_offset(self) -> tuple[list[FileExtent], list[int]]:
         cached = self.__dict__.get("_by_offset")
         if cached is None:
-            cached = sorted(self.files, key=lambda f: f.offset)
+            ordered = sorted(self.files, key=lambda f: f.offset)
+            cached = (ordered, [f.offset for f in ordered])
             object.__setattr__(self, "_by_offset", cached)
         return cached
 
@@ -301,6 +300,23 @@ def _hex(v: Any) -> str:
     if not isinstance(v, str) or len(v) != 32:
         raise FormatError(f"expected a 128-bit hex checksum, got {v!r}")
     return v
+
+
+def decode_stored(stored: bytes, checksum: str, size: int | None = None) -> bytes:
+    """Decompress one stored sector and check it against its checksum (and size, if given).
+
+    Needs no index, so a cache can check an entry against its own name. Raises
+    ``ChecksumError`` for anything that does not decode to exactly the named bytes.
+    """
+    try:
+        data = zstandard.ZstdDecompressor().decompress(
+            stored, max_output_size=size if size is not None else MAX_SECTOR_SIZE
+        )
+    except zstandard.ZstdError as e:
+        raise ChecksumError(f"undecodable ({e})") from None
+    if (size is not None and len(data) != size) or sector_checksum(data) != checksum:
+        raise ChecksumError("checksum mismatch")
+    return data
 
 
 def coalesce(numbers: Iterable[int]) -> list[range]:

@@ -1,0 +1,530 @@
+"""Fetching sectors: local cache first, then ranged reads from the store, always verified.
+
+``SectorFetcher.get(numbers, deadline)`` returns the decoded, verified bytes of the sectors it
+is asked for, or raises ``FetchError``. It owns the policy between the data path and the
+store:
+
+* **Cache first.** A sector in the node's ``SectorCache`` costs no request. All-zero
+  sectors are not stored anywhere and cost nothing.
+* **Single flight.** Each missing sector has at most one fetch in flight; concurrent readers
+  of the same sector wait on that fetch instead of issuing their own.
+* **Coalescing.** Misses that are adjacent in the data blob (consecutive sectors, or separated
+  only by all-zero sectors, which the blob omits) become one ranged read, up to
+  ``max_request_bytes``.
+* **Bounded parallelism, priorities.** Reads are jobs on a priority queue served by
+  ``max_parallel`` worker threads; on-demand jobs always go before prefetch jobs, a prefetch
+  job is promoted when an on-demand reader starts waiting on it, and prefetch work never
+  holds more than ``max_parallel_prefetch`` workers.
+* **Verification.** Every stored sector goes through ``Index.decode_sector`` before it is
+  cached or returned; a sector that fails is refetched (counting against ``retries``) and
+  never served or cached.
+* **Timeouts that hold.** The store is called on a separate thread per request and the worker
+  waits at most ``request_timeout`` for it, so a store call that hangs is abandoned (its
+  result ignored), not waited on; a reader waits at most until its deadline and then gets
+  ``FetchTimeoutError``. Hung calls keep their thread until the store answers; past
+  ``max_stuck_requests`` of them new requests fail at once instead of piling up threads.
+  Nothing is remembered about failures: once the store answers again, reads succeed.
+
+Deadlines are absolute ``time.monotonic()`` values, so one deadline can span several calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+from imagetool.errors import (
+    AuthError,
+    ChecksumError,
+    NotFoundError,
+    StoreError,
+    StoreTimeoutError,
+)
+from imagetool.format import Index, blob_range, coalesce
+from imagetool.stores.base import Store
+from snapshotter.cache import SectorCache
+from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
+from snapshotter.metrics import MountMetrics
+
+log = logging.getLogger(__name__)
+
+# Store errors that another attempt cannot fix.
+_PERMANENT = (NotFoundError, AuthError)
+
+
+class Priority(IntEnum):
+    """Queue order of fetch jobs: lower goes first."""
+
+    DEMAND = 0  # a reader (the FUSE file) is waiting
+    PREFETCH = 1  # background warming
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How the fetcher talks to the store. Every field is per mount."""
+
+    max_parallel: int = 8
+    """Worker threads, hence store requests in flight at once (hung ones not counted)."""
+
+    max_parallel_prefetch: int = 2
+    """Of those, how many prefetch jobs may hold at once, so that on-demand reads always find
+    a free worker soon even while a prefetch runs."""
+
+    request_timeout: float = 10.0
+    """Seconds to wait for one ranged read before abandoning it and retrying. Generous: a
+    coalesced request is up to ``max_request_bytes`` over a possibly slow link."""
+
+    retries: int = 3
+    """Attempts after the first for one request (failed, timed out or not verifying)."""
+
+    backoff_base: float = 0.1
+    """Seconds; retry ``k`` (from 1) sleeps uniformly in ``[0, min(backoff_max,
+    backoff_base * 2**(k-1))]`` ("full jitter"), so retrying readers do not stampede."""
+
+    backoff_max: float = 2.0
+    """Upper bound of one backoff sleep, in seconds."""
+
+    deadline: float = 30.0
+    """Default total seconds a ``get`` may take when the caller passes no deadline; past it
+    the read fails with ``FetchTimeoutError`` (EIO) instead of hanging the application."""
+
+    max_request_bytes: int = 16 << 20
+    """Largest coalesced ranged read, in blob bytes (a single sector is never split). Bigger
+    requests amortise round trips; smaller ones start delivering sooner."""
+
+    max_stuck_requests: int = 32
+    """Abandoned store calls (timed out, still running on their thread) tolerated at once;
+    beyond this, new requests fail immediately until some return."""
+
+    def __post_init__(self) -> None:
+        if self.max_parallel < 1 or not 0 <= self.max_parallel_prefetch <= self.max_parallel:
+            raise ValueError("need max_parallel >= 1 and 0 <= max_parallel_prefetch <= it")
+        if self.request_timeout <= 0 or self.deadline <= 0:
+            raise ValueError("request_timeout and deadline must be positive")
+        if self.retries < 0 or self.backoff_base < 0 or self.backoff_max < 0:
+            raise ValueError("retries and backoff must not be negative")
+        if self.max_request_bytes < 1 or self.max_stuck_requests < 0:
+            raise ValueError("max_request_bytes must be positive, max_stuck_requests >= 0")
+
+
+class _Job:
+    """One coalesced ranged read: consecutive stored sectors of the blob."""
+
+    __slots__ = ("sectors", "priority", "deadline", "taken")
+
+    def __init__(self, sectors: list[int], priority: Priority, deadline: float) -> None:
+        self.sectors = sectors
+        self.priority = priority
+        self.deadline = deadline  # the latest deadline of anyone waiting on it
+        self.taken = False
+
+
+class _Flight:
+    """The one fetch of one sector that everybody wanting it waits on."""
+
+    __slots__ = ("job", "done", "data", "error")
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.done = threading.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
+class SectorFetcher:
+    """Verified sectors of one image from ``cache`` or ``store``."""
+
+    def __init__(
+        self,
+        store: Store,
+        index: Index,
+        cache: SectorCache,
+        config: FetchConfig | None = None,
+        metrics: MountMetrics | None = None,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.cache = cache
+        self.config = config or FetchConfig()
+        self.metrics = metrics or MountMetrics()
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: list[tuple[int, int, _Job]] = []  # heap; may hold stale entries
+        self._seq = itertools.count()
+        self._inflight: dict[str, _Flight] = {}  # by checksum: one fetch per content
+        self._running_prefetch = 0
+        self._stuck = 0
+        self._closed = threading.Event()
+        self._workers = [
+            threading.Thread(target=self._worker, name=f"lazyblock-fetch-{i}", daemon=True)
+            for i in range(self.config.max_parallel)
+        ]
+        for t in self._workers:
+            t.start()
+
+    # --- public ---------------------------------------------------------------------------
+
+    def get(
+        self,
+        numbers: Iterable[int],
+        deadline: float | None = None,
+        priority: Priority = Priority.DEMAND,
+    ) -> dict[int, bytes]:
+        """Decoded, verified bytes of each sector in ``numbers``.
+
+        ``deadline`` is a ``time.monotonic()`` value (default: now + ``config.deadline``).
+        Raises ``FetchError`` (``FetchTimeoutError`` when the deadline passes first).
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self.config.deadline
+        wanted = sorted(set(numbers))
+        if wanted and (wanted[0] < 0 or wanted[-1] >= self.index.sector_count):
+            raise InvalidReadError(f"sector numbers out of range: {wanted[0]}..{wanted[-1]}")
+        try:
+            return self._get(wanted, deadline, priority)
+        except FetchError:
+            self.metrics.fetch_errors.inc()
+            raise
+
+    def missing(self, numbers: Iterable[int]) -> list[int]:
+        """Those of ``numbers`` that are stored, not cached and not being fetched: what a
+        prefetch of them would have to fetch."""
+        sectors = self.index.sectors
+        with self._lock:
+            return [
+                n
+                for n in numbers
+                if not sectors[n].is_zero
+                and sectors[n].checksum not in self._inflight
+                and sectors[n].checksum not in self.cache
+            ]
+
+    def close(self) -> None:
+        """Stop the workers; queued and in-flight reads fail with ``ClosedError``."""
+        with self._work:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            flights = list(self._inflight.items())
+            self._inflight.clear()
+            self._queue.clear()
+            self.metrics.queued.set(0)
+            self._work.notify_all()
+        self._settle([flight for _, flight in flights], ClosedError("fetcher closed"))
+
+    def __enter__(self) -> SectorFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the read side --------------------------------------------------------------------
+
+    def _get(self, wanted: list[int], deadline: float, priority: Priority) -> dict[int, bytes]:
+        index, sectors = self.index, self.index.sectors
+        result: dict[int, bytes] = {}
+        stored = []
+        for n in wanted:
+            if sectors[n].is_zero:
+                result[n] = index.decode_sector(n, b"")
+                self.metrics.zero_sectors.inc()
+            else:
+                stored.append(n)
+        if not stored:
+            return result
+        with self.cache.pin(sectors[n].checksum for n in stored):
+            remaining = set(stored)
+            tried_cache: set[int] = set()
+            while remaining:
+                from_cache, waits = self._claim(remaining, tried_cache, deadline, priority)
+                for n in from_cache:
+                    tried_cache.add(n)
+                    data = self._from_cache(n)
+                    if data is not None:
+                        result[n] = data
+                        remaining.discard(n)
+                for n, flight in waits.items():
+                    if not flight.done.wait(max(0.0, deadline - time.monotonic())):
+                        left = tuple(sorted(n for n in remaining if n not in result))
+                        raise FetchTimeoutError(
+                            f"sectors {_show(left)} not fetched before the deadline", left
+                        )
+                    if (err := flight.error) is not None:
+                        # A new exception per reader: the flight's error is shared.
+                        if isinstance(err, FetchError):
+                            raise type(err)(str(err), (n,)) from err
+                        raise FetchError(f"sector {n}: {type(err).__name__}: {err}", (n,)) from err
+                    assert flight.data is not None
+                    result[n] = flight.data
+                    remaining.discard(n)
+        return result
+
+    def _claim(
+        self, remaining: set[int], tried_cache: set[int], deadline: float, priority: Priority
+    ) -> tuple[list[int], dict[int, _Flight]]:
+        """Sort the sectors still wanted into cache reads and flights to wait on, starting
+        flights (and queueing their jobs) for the rest."""
+        sectors = self.index.sectors
+        from_cache: list[int] = []
+        waits: dict[int, _Flight] = {}
+        new: dict[str, int] = {}  # checksum -> the sector that will fetch it
+        same: list[int] = []  # sectors whose content another new sector fetches
+        with self._work:
+            if self._closed.is_set():
+                raise ClosedError("fetcher closed")
+            for n in sorted(remaining):
+                checksum = sectors[n].checksum
+                flight = self._inflight.get(checksum)
+                if flight is not None:
+                    self._join(flight.job, deadline, priority)
+                    waits[n] = flight
+                elif checksum in new:
+                    same.append(n)
+                elif n not in tried_cache and checksum in self.cache:
+                    from_cache.append(n)
+                    continue
+                else:
+                    new[checksum] = n
+                self.metrics.cache_misses.inc()
+            for run in self._plan(list(new.values())):
+                job = _Job(run, priority, deadline)
+                for n in run:
+                    waits[n] = self._inflight[sectors[n].checksum] = _Flight(job)
+                self._push(job)
+            for n in same:
+                waits[n] = self._inflight[sectors[n].checksum]
+        return from_cache, waits
+
+    def _from_cache(self, n: int) -> bytes | None:
+        checksum = self.index.sectors[n].checksum
+        data = self.cache.get_decoded(checksum)
+        if data is None:
+            return None
+        if len(data) != self.index.sector_span(n)[1]:  # same checksum, other length: no
+            self.cache.discard(checksum)
+            return None
+        self.metrics.cache_hits.inc()
+        return data
+
+    def _plan(self, numbers: list[int]) -> list[list[int]]:
+        """Coalesce stored sectors into blob-contiguous runs of at most max_request_bytes."""
+        sectors = self.index.sectors
+        runs: list[list[int]] = []
+        for run in coalesce(numbers):
+            for n in run:
+                if (
+                    runs
+                    # only all-zero sectors (absent from the blob) in between
+                    and all(sectors[z].is_zero for z in range(runs[-1][-1] + 1, n))
+                    and blob_range(self.index, range(runs[-1][0], n + 1))[1]
+                    <= self.config.max_request_bytes
+                ):
+                    runs[-1].append(n)
+                else:
+                    runs.append([n])
+        return runs
+
+    def _join(self, job: _Job, deadline: float, priority: Priority) -> None:
+        """A reader starts waiting on ``job``: it runs until the latest deadline and at the
+        most urgent priority of its readers. Lock held."""
+        job.deadline = max(job.deadline, deadline)
+        if priority < job.priority and not job.taken:
+            job.priority = priority
+            heapq.heappush(self._queue, (job.priority, next(self._seq), job))
+            self._work.notify()
+
+    def _push(self, job: _Job) -> None:
+        heapq.heappush(self._queue, (job.priority, next(self._seq), job))
+        self.metrics.queued.inc()
+        self._work.notify()
+
+    # --- the worker side ------------------------------------------------------------------
+
+    def _next_job(self) -> _Job | None:
+        """Pop the most urgent runnable job, skipping stale heap entries. Lock held."""
+        while self._queue:
+            prio, _, job = self._queue[0]
+            if job.taken or prio != job.priority:
+                heapq.heappop(self._queue)
+                continue
+            if (
+                prio == Priority.PREFETCH
+                and self._running_prefetch >= self.config.max_parallel_prefetch
+            ):
+                return None
+            heapq.heappop(self._queue)
+            return job
+        return None
+
+    def _worker(self) -> None:
+        while True:
+            with self._work:
+                while (job := self._next_job()) is None:
+                    if self._closed.is_set():
+                        return
+                    self._work.wait()
+                if self._closed.is_set():
+                    return
+                job.taken = True
+                self.metrics.queued.dec()
+                prefetch = job.priority == Priority.PREFETCH
+                if prefetch:
+                    self._running_prefetch += 1
+            try:
+                self._run(job)
+            except Exception as e:  # a bug: fail the readers rather than kill the worker
+                log.exception("fetch job for sectors %s failed", _show(job.sectors))
+                self._fail(job.sectors, e)
+            finally:
+                with self._work:
+                    if prefetch:
+                        self._running_prefetch -= 1
+                        self._work.notify()
+
+    def _run(self, job: _Job) -> None:
+        index, cfg = self.index, self.config
+        remaining = job.sectors
+        error: BaseException | None = None
+        for attempt in range(cfg.retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+                cap = min(cfg.backoff_max, cfg.backoff_base * 2 ** (attempt - 1))
+                self._closed.wait(max(0.0, min(random.uniform(0, cap), self._left(job))))
+            if self._left(job) <= 0 and self._expire(job, remaining, error):
+                return
+            offset, length = blob_range(index, range(remaining[0], remaining[-1] + 1))
+            try:
+                data = self._read(offset, length, min(cfg.request_timeout, self._left(job)))
+            except _PERMANENT as e:
+                self.metrics.store_errors.inc()
+                self._fail(remaining, e)
+                return
+            except Exception as e:
+                self.metrics.store_errors.inc()
+                log.info("blob range %d+%d: %s (attempt %d)", offset, length, e, attempt + 1)
+                error = e
+                continue
+            bad = []
+            for n in remaining:
+                entry = index.sectors[n]
+                stored = data[entry.offset - offset : entry.offset - offset + entry.length]
+                try:
+                    decoded = index.decode_sector(n, stored)
+                except ChecksumError as e:
+                    self.metrics.checksum_errors.inc()
+                    log.warning("%s from %s; refetching", e, self.store.url)
+                    error = e
+                    bad.append(n)
+                    continue
+                self.metrics.sectors_fetched.inc()
+                self._cache_put(entry.checksum, stored)
+                self._complete(n, decoded)
+            if not bad:
+                return
+            remaining = bad
+        log.warning("giving up on sectors %s: %s", _show(remaining), error)
+        self._fail(remaining, error or FetchTimeoutError("deadline passed"))
+
+    def _left(self, job: _Job) -> float:
+        return 0.0 if self._closed.is_set() else job.deadline - time.monotonic()
+
+    def _expire(self, job: _Job, remaining: list[int], error: BaseException | None) -> bool:
+        """Fail the job's flights if its deadline has passed (or the fetcher closed). Checked
+        under the lock that readers extend deadlines under, so a reader that joined in time
+        is never failed by an earlier reader's deadline."""
+        with self._lock:
+            if self._left(job) > 0:
+                return False
+            flights = [f for n in remaining if (f := self._pop_flight(n)) is not None]
+        timeout = FetchTimeoutError(
+            f"sectors {_show(remaining)}: deadline passed"
+            + (f" (last error: {type(error).__name__}: {error})" if error else "")
+        )
+        timeout.__cause__ = error
+        log.warning("giving up on sectors %s: %s", _show(remaining), timeout)
+        self._settle(flights, timeout)
+        return True
+
+    def _read(self, offset: int, length: int, timeout: float) -> bytes:
+        """One ranged read on its own thread, waited on for at most ``timeout`` seconds."""
+        box: dict[str, object] = {}
+        done = threading.Event()
+        with self._lock:
+            if self._stuck > self.config.max_stuck_requests:
+                raise StoreTimeoutError(f"{self._stuck} requests to {self.store.url} hang")
+
+        def call() -> None:
+            start = time.monotonic()
+            try:
+                box["data"] = self.store.read_range(self.index.blob_digest, offset, length)
+                self.metrics.fetch_latency.observe(time.monotonic() - start)
+            except BaseException as e:  # handed to the waiting worker
+                box["error"] = e
+            finally:
+                self.metrics.inflight.dec()
+                with self._lock:
+                    box["finished"] = True
+                    if box.get("abandoned"):
+                        self._stuck -= 1
+                done.set()
+
+        self.metrics.store_requests.inc()
+        self.metrics.inflight.inc()
+        threading.Thread(target=call, name="lazyblock-store-read", daemon=True).start()
+        if not done.wait(timeout):
+            with self._lock:
+                if not box.get("finished"):
+                    box["abandoned"] = True
+                    self._stuck += 1
+                    raise StoreTimeoutError(
+                        f"{self.store.url}: no answer in {timeout:.1f}s for {length} bytes"
+                    )
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        data = box["data"]
+        assert isinstance(data, bytes | bytearray | memoryview)
+        if len(data) != length:
+            raise StoreError(f"short read: {len(data)} of {length} bytes")
+        self.metrics.bytes_fetched.inc(length)
+        return bytes(data)
+
+    def _cache_put(self, checksum: str, stored: bytes) -> None:
+        try:
+            self.cache.put(checksum, stored)
+        except Exception:  # caching is best effort; the read goes on
+            log.exception("sector cache put failed")
+
+    def _complete(self, n: int, data: bytes) -> None:
+        with self._lock:
+            flight = self._pop_flight(n)
+        if flight is not None:
+            flight.data = data
+            flight.done.set()
+
+    def _fail(self, numbers: Iterable[int], error: BaseException) -> None:
+        with self._lock:
+            flights = [f for n in numbers if (f := self._pop_flight(n)) is not None]
+        self._settle(flights, error)
+
+    def _pop_flight(self, n: int) -> _Flight | None:
+        """Lock held."""
+        return self._inflight.pop(self.index.sectors[n].checksum, None)
+
+    @staticmethod
+    def _settle(flights: list[_Flight], error: BaseException) -> None:
+        for flight in flights:
+            flight.error = error
+            flight.done.set()
+
+
+def _show(numbers: Iterable[int]) -> str:
+    """Sector numbers for a message: runs as a-b, at most a few."""
+    runs = [f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in coalesce(numbers)]
+    return ",".join(runs[:8]) + (",…" if len(runs) > 8 else "")

@@ -1,0 +1,67 @@
+"""Fixtures for the snapshotter's data path (the helpers live in ``datapath_support``)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from datapath_support import (
+    FAST,
+    FILES,
+    FaultyStore,
+    Image,
+    build_image,
+    standard_contents,
+)
+
+from imagetool.format import BLOB_MEDIA_TYPE
+from imagetool.stores.dir import DirStore
+from snapshotter.cache import SectorCache
+from snapshotter.fetcher import FetchConfig, SectorFetcher
+from snapshotter.metrics import MountMetrics
+
+
+@pytest.fixture
+def image() -> Image:
+    return build_image(
+        standard_contents(random.Random(1234)), metadata_sectors=2, prefetch=(8, 9, 10), files=FILES
+    )
+
+
+def dir_store(root: Path, image: Image) -> DirStore:
+    """A real directory store holding ``image`` as ``test:v1``."""
+    store = DirStore(root, "test")
+    store.put_blob(image.index.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    store.publish("v1", image.index.to_bytes())
+    return store
+
+
+@pytest.fixture
+def store(image: Image, tmp_path: Path) -> FaultyStore:
+    return FaultyStore(dir_store(tmp_path / "store", image))
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> SectorCache:
+    return SectorCache(tmp_path / "cache", 64 << 20)
+
+
+@pytest.fixture
+def make_fetcher(
+    image: Image, store: FaultyStore, cache: SectorCache
+) -> Iterator[Callable[..., SectorFetcher]]:
+    made: list[SectorFetcher] = []
+
+    def make(config: FetchConfig = FAST, **overrides: object) -> SectorFetcher:
+        kwargs = {"store": store, "index": image.index, "cache": cache, "config": config}
+        kwargs.update(overrides)
+        f = SectorFetcher(metrics=MountMetrics(), **kwargs)  # type: ignore[arg-type]
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+    store.release()  # let hung store threads finish

@@ -1,0 +1,196 @@
+"""Test helpers for the snapshotter's data path: a real block image built with
+imagetool.format, an in-memory store holding it, and failure-injecting store doubles."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zstandard
+
+from imagetool.errors import StoreError
+from imagetool.format import FileExtent, Index, Sector, sector_checksum, sha256_digest
+from imagetool.stores.base import Store
+from snapshotter.fetcher import FetchConfig
+
+SECTOR = 64 << 10
+
+
+@dataclass
+class Image:
+    index: Index
+    blob: bytes
+    data: bytes  # the uncompressed filesystem image
+
+    def sector(self, n: int) -> bytes:
+        start, size = self.index.sector_span(n)
+        return self.data[start : start + size]
+
+    def sectors_in(self, offset: int, length: int) -> list[int]:
+        """Sectors whose stored bytes lie in blob range [offset, offset+length)."""
+        return [
+            n
+            for n, s in enumerate(self.index.sectors)
+            if not s.is_zero and offset <= s.offset and s.offset + s.length <= offset + length
+        ]
+
+
+def build_image(
+    contents: list[bytes],
+    sector_size: int = SECTOR,
+    metadata_sectors: int = 1,
+    prefetch: tuple[int, ...] = (),
+    files: tuple[FileExtent, ...] = (),
+) -> Image:
+    """A block image whose sectors hold ``contents`` (all but the last exactly one sector)."""
+    sectors, blob = [], bytearray()
+    compressor = zstandard.ZstdCompressor(level=3)
+    for data in contents:
+        if not any(data):
+            sectors.append(Sector(0, 0, sector_checksum(data)))
+            continue
+        stored = compressor.compress(data)
+        sectors.append(Sector(len(blob), len(stored), sector_checksum(data)))
+        blob += stored
+    image = b"".join(contents)
+    index = Index(
+        image_size=len(image),
+        sector_size=sector_size,
+        sectors=tuple(sectors),
+        metadata_sectors=metadata_sectors,
+        blob_digest=sha256_digest(bytes(blob)),
+        blob_size=len(blob),
+        prefetch=prefetch,
+        files=files,
+    )
+    return Image(index, bytes(blob), image)
+
+
+def standard_contents(rng: random.Random, count: int = 40) -> list[bytes]:
+    """Random, compressible, all-zero and repeated sectors, with a short last sector."""
+    contents = []
+    for n in range(count):
+        if n in (5, 6, 20, 21, 22):
+            contents.append(bytes(SECTOR))
+        elif n in (11, 12):
+            contents.append(contents[3])  # repeats: same checksum as sector 3
+        elif n % 3 == 0:
+            contents.append((f"sector {n} ".encode() * SECTOR)[:SECTOR])
+        else:
+            contents.append(rng.randbytes(SECTOR))
+    contents.append(rng.randbytes(10_000))
+    return contents
+
+
+FILES = (
+    FileExtent("/usr/bin/python3", 0, 3 * SECTOR + 100),
+    FileExtent("/app/main.py", 3 * SECTOR + 100, 200),
+    FileExtent("/app/weights.bin", 8 * SECTOR, 10 * SECTOR),
+    FileExtent("/etc/hosts", 30 * SECTOR + 5, 50),
+)
+
+
+class FaultyStore(Store):
+    """Wraps a real store; records every ranged read and injects failures on demand.
+
+    ``mode``: "ok", "down" (raise StoreError) or "hang" (block until ``release()``).
+    ``corrupt``: blob offset -> how many more reads covering it return that byte flipped.
+    ``before_read``: called with (offset, length) before each read (after recording it).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.url = "faulty+" + inner.url
+        self.name = inner.name
+        self.mode = "ok"
+        self.corrupt: dict[int, int] = {}
+        self.requests: list[tuple[int, int]] = []
+        self.before_read: Callable[[int, int], None] | None = None
+        self._gate = threading.Event()
+        self._lock = threading.Lock()
+        self.hanging = 0
+
+    def release(self) -> None:
+        self.mode = "ok"
+        self._gate.set()
+
+    def hang(self) -> None:
+        self._gate.clear()
+        self.mode = "hang"
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        with self._lock:
+            self.requests.append((offset, length))
+        if self.before_read is not None:
+            self.before_read(offset, length)
+        if self.mode == "down":
+            raise StoreError(f"{self.url}: connection refused")
+        if self.mode == "hang":
+            with self._lock:
+                self.hanging += 1
+            self._gate.wait(60)
+            with self._lock:
+                self.hanging -= 1
+        data = bytearray(self.inner.read_range(digest, offset, length))
+        with self._lock:
+            for at, times in list(self.corrupt.items()):
+                if times > 0 and offset <= at < offset + length:
+                    data[at - offset] ^= 0xFF
+                    self.corrupt[at] = times - 1
+        return bytes(data)
+
+    def fetch_counts(self, image: Image) -> dict[int, int]:
+        """How many times each stored sector was read from the store."""
+        counts: dict[int, int] = {}
+        with self._lock:
+            requests = list(self.requests)
+        for offset, length in requests:
+            for n in image.sectors_in(offset, length):
+                counts[n] = counts.get(n, 0) + 1
+        return counts
+
+    def has_blob(self, digest: str) -> bool:
+        return self.inner.has_blob(digest)
+
+    def blob_size(self, digest: str) -> int:
+        return self.inner.blob_size(digest)
+
+    def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
+        self.inner.put_blob(digest, source, media_type)
+
+    def resolve(self, tag: str) -> str:
+        return self.inner.resolve(tag)
+
+    def publish(self, tag: str, index_bytes: bytes) -> str:
+        return self.inner.publish(tag, index_bytes)
+
+    def list_tags(self) -> list[str]:
+        return self.inner.list_tags()
+
+
+# Quick to fail: tests that provoke timeouts should not wait for production defaults.
+FAST = FetchConfig(
+    max_parallel=4,
+    request_timeout=0.5,
+    retries=2,
+    backoff_base=0.01,
+    backoff_max=0.05,
+    deadline=5.0,
+)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def set_mtime(path: Path, t: float) -> None:
+    os.utime(path, (t, t))

@@ -1,0 +1,146 @@
+"""Prefetch: the pure plan, the token bucket, and the background worker for real."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from datapath_support import FAST, Image, build_image, wait_until
+
+from snapshotter.cache import SectorCache
+from snapshotter.fetcher import SectorFetcher
+from snapshotter.prefetch import PrefetchConfig, Prefetcher, PrefetchMode, TokenBucket, plan
+
+MakeFetcher = Callable[..., SectorFetcher]
+
+
+def stored(image: Image) -> list[int]:
+    return [n for n, s in enumerate(image.index.sectors) if not s.is_zero]
+
+
+def test_plan_orders_profile_then_metadata_then_everything(image: Image) -> None:
+    assert plan(image.index, PrefetchMode.NONE) == []
+    assert plan(image.index, PrefetchMode.PROFILE) == [8, 9, 10, 0, 1]
+    full = plan(image.index, PrefetchMode.FULL)
+    assert full[:5] == [8, 9, 10, 0, 1]
+    assert sorted(full) == stored(image)  # every stored sector once, no zero sector
+    assert full[5:] == sorted(full[5:])
+
+
+def test_plan_skips_zero_sectors_and_duplicates() -> None:
+    sector = 64 << 10
+    contents = [b"\1" * sector, bytes(sector), b"\2" * sector, bytes(sector)]
+    img = build_image(contents, metadata_sectors=2, prefetch=(3, 2, 2, 1, 0))
+    assert plan(img.index, PrefetchMode.PROFILE) == [2, 0]
+    assert plan(img.index, PrefetchMode.FULL) == [2, 0]
+
+
+def test_token_bucket_allows_a_burst_then_paces() -> None:
+    now = [0.0]
+    bucket = TokenBucket(rate=1000, burst=500, clock=lambda: now[0])
+    assert bucket.take(400) == 0
+    assert bucket.take(300) == pytest.approx(0.2)  # 200 bytes in debt at 1000/s
+    now[0] += 0.2
+    assert bucket.take(100) == pytest.approx(0.1)
+    now[0] += 10  # idle: refills only up to the burst
+    assert bucket.take(500) == 0
+    assert bucket.take(1) > 0
+
+
+def test_prefetcher_warms_the_cache(
+    image: Image, store, cache: SectorCache, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    p = Prefetcher.for_mount(fetcher, PrefetchConfig(mode=PrefetchMode.FULL)).start()
+    assert p.wait(10)
+    # 11 and 12 repeat 3's content: once 3 is cached, they are too
+    assert p.fetched == len(stored(image)) - 2
+    assert fetcher.missing(range(image.index.sector_count)) == []
+    assert fetcher.metrics.prefetched_sectors.value == p.fetched
+    # repeated sectors (11, 12 = 3) share an entry, so nothing was fetched twice
+    assert all(c == 1 for c in store.fetch_counts(image).values())
+    # a second prefetch of the same plan finds nothing to do
+    again = Prefetcher.for_mount(fetcher, PrefetchConfig(mode=PrefetchMode.FULL)).start()
+    assert again.wait(10) and again.fetched == 0
+
+
+def test_prefetcher_follows_the_plan_order(image: Image, store, make_fetcher: MakeFetcher) -> None:
+    fetcher = make_fetcher()
+    p = Prefetcher(fetcher, [30, 8, 2], PrefetchConfig(batch_sectors=1)).start()
+    assert p.wait(10)
+    sectors = image.index.sectors
+    assert [o for o, _ in store.requests] == [sectors[n].offset for n in (30, 8, 2)]
+
+
+def test_prefetcher_stops_on_request(image: Image, store, make_fetcher: MakeFetcher) -> None:
+    fetcher = make_fetcher()
+    started = threading.Event()
+
+    def slow(*_: object) -> None:
+        started.set()
+        time.sleep(0.05)
+
+    store.before_read = slow
+    p = Prefetcher.for_mount(fetcher, PrefetchConfig(mode=PrefetchMode.FULL, batch_sectors=1))
+    p.start()
+    assert started.wait(5)
+    p.stop(timeout=5)
+    assert not p.running
+    assert p.fetched < len(stored(image))
+
+
+def test_prefetcher_respects_the_bandwidth_cap(image: Image, make_fetcher: MakeFetcher) -> None:
+    fetcher = make_fetcher()
+    rate = image.index.blob_size  # the whole blob per second, burst of a tenth of it
+    config = PrefetchConfig(mode=PrefetchMode.FULL, bandwidth=rate, burst_bytes=rate // 10)
+    t0 = time.monotonic()
+    p = Prefetcher.for_mount(fetcher, config).start()
+    assert p.wait(10)
+    assert time.monotonic() - t0 >= 0.5  # ~0.9 s of debt to pay off; lenient lower bound
+
+
+def test_prefetcher_gives_up_when_the_store_is_down(store, make_fetcher: MakeFetcher) -> None:
+    fetcher = make_fetcher(dataclasses.replace(FAST, retries=0))
+    store.mode = "down"
+    p = Prefetcher.for_mount(
+        fetcher, PrefetchConfig(mode=PrefetchMode.FULL, batch_sectors=1, max_failures=2)
+    ).start()
+    assert p.wait(10)
+    assert p.fetched == 0
+    assert fetcher.metrics.prefetch_errors.value == 2
+
+
+def test_prefetcher_leaves_room_in_a_small_cache(image: Image, store, tmp_path) -> None:
+    small = SectorCache(tmp_path / "small", image.index.blob_size // 2)
+    with SectorFetcher(store, image.index, small, FAST) as fetcher:
+        config = PrefetchConfig(mode=PrefetchMode.FULL, max_cache_fraction=0.5)
+        p = Prefetcher.for_mount(fetcher, config).start()
+        assert p.wait(10)
+        assert 0 < p.fetched < len(stored(image))
+        assert small.usage() <= small.max_bytes // 2
+
+
+def test_on_demand_reads_are_served_during_a_prefetch(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel=2, max_parallel_prefetch=1))
+    store.before_read = lambda *_: time.sleep(0.02)
+    p = Prefetcher.for_mount(fetcher, PrefetchConfig(mode=PrefetchMode.FULL, batch_sectors=1))
+    p.start()
+    wait_until(lambda: len(store.requests) >= 1)
+    got = fetcher.get([39], deadline=time.monotonic() + 5)
+    assert got == {39: image.sector(39)}
+    assert p.running  # the demand read did not wait for the prefetch to finish
+    p.stop()
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError):
+        PrefetchConfig(batch_sectors=0)
+    with pytest.raises(ValueError):
+        PrefetchConfig(bandwidth=0)
+    with pytest.raises(ValueError):
+        PrefetchConfig(max_cache_fraction=0)

@@ -1,0 +1,246 @@
+"""SectorCache: content addressing, verification, LRU under a cap, pins, restarts, full disks."""
+
+from __future__ import annotations
+
+import errno
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import support
+import zstandard
+from datapath_support import set_mtime
+
+from imagetool.format import sector_checksum
+from snapshotter.cache import SectorCache
+
+
+def entry(data: bytes) -> tuple[str, bytes]:
+    """(checksum, stored bytes) of a sector holding ``data``."""
+    return sector_checksum(data), zstandard.ZstdCompressor().compress(data)
+
+
+def random_entry(rng: random.Random, size: int = 10_000) -> tuple[str, bytes]:
+    return entry(rng.randbytes(size))
+
+
+def test_put_get_roundtrip_and_miss(tmp_path: Path) -> None:
+    cache = SectorCache(tmp_path, 1 << 20)
+    key, stored = entry(b"hello" * 1000)
+    assert cache.get(key) is None
+    assert cache.put(key, stored)
+    assert cache.get(key) == stored
+    assert cache.get_decoded(key) == b"hello" * 1000
+    assert key in cache and len(cache) == 1 and cache.usage() == len(stored)
+    path = tmp_path / "v1" / key[:2] / key
+    assert path.read_bytes() == stored
+    assert not list((tmp_path / "v1" / "wip").iterdir())
+    assert cache.metrics.hits.value == 2 and cache.metrics.misses.value == 1
+
+
+def test_rejects_keys_that_are_not_checksums(tmp_path: Path) -> None:
+    cache = SectorCache(tmp_path, 1 << 20)
+    for bad in ("../../etc/passwd", "ABCDEF" * 6, "00" * 15):
+        with pytest.raises(ValueError):
+            cache.put(bad, b"x")
+        with pytest.raises(ValueError):
+            cache.get(bad)
+
+
+def test_corrupt_entry_is_a_logged_miss_and_deleted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = SectorCache(tmp_path, 1 << 20)
+    key, stored = entry(b"payload" * 500)
+    cache.put(key, stored)
+    path = tmp_path / "v1" / key[:2] / key
+    path.write_bytes(stored[:-1] + bytes([stored[-1] ^ 1]))
+    assert cache.get(key) is None
+    assert "corrupt" in caplog.text
+    assert not path.exists() and key not in cache and cache.usage() == 0
+    assert cache.metrics.corrupt.value == 1
+    # an entry whose bytes decode fine but to other content is just as corrupt
+    other_key, _ = entry(b"other")
+    cache.put(other_key, stored)
+    assert cache.get(other_key) is None and other_key not in cache
+
+
+def test_lru_eviction_under_the_cap(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    entries = [random_entry(rng) for _ in range(4)]
+    size = len(entries[0][1])
+    cache = SectorCache(tmp_path, 3 * size + 100)
+    for key, stored in entries[:3]:
+        assert cache.put(key, stored)
+    assert cache.get(entries[0][0]) is not None  # 0 is now the most recently used
+    assert cache.put(*entries[3])
+    assert cache.entries() == [entries[2][0], entries[0][0], entries[3][0]]
+    assert cache.get(entries[1][0]) is None  # the least recently used went
+    assert not (tmp_path / "v1" / entries[1][0][:2] / entries[1][0]).exists()
+    assert cache.usage() <= cache.max_bytes
+    assert cache.metrics.evictions.value == 1
+
+
+def test_entry_bigger_than_the_cache_is_not_cached(tmp_path: Path) -> None:
+    cache = SectorCache(tmp_path, 100)
+    key, stored = random_entry(random.Random(2), 1000)
+    assert not cache.put(key, stored)
+    assert cache.get(key) is None and cache.usage() == 0
+
+
+def test_pinned_entries_are_not_evicted(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    a, b, c = (random_entry(rng) for _ in range(3))
+    cache = SectorCache(tmp_path, 2 * len(a[1]) + 100)
+    cache.put(*a)
+    with cache.pin([a[0], b[0]]):
+        cache.put(*b)  # pinned before it was even there
+        assert not cache.put(*c)  # no room: everything else is pinned
+        assert cache.get(a[0]) is not None and cache.get(b[0]) is not None
+        cache.clear()  # clear() spares pinned entries too
+        assert len(cache) == 2
+    assert cache.put(*c)  # once unpinned, the LRU one goes
+    assert a[0] not in cache and b[0] in cache and c[0] in cache
+
+
+def test_restart_reuses_entries_in_lru_order(tmp_path: Path) -> None:
+    rng = random.Random(4)
+    entries = [random_entry(rng) for _ in range(3)]
+    cache = SectorCache(tmp_path, 1 << 20)
+    for i, (key, stored) in enumerate(entries):
+        cache.put(key, stored)
+        set_mtime(tmp_path / "v1" / key[:2] / key, 1_000_000 + (2 - i))  # 0 newest
+    (tmp_path / "v1" / "wip" / "leftover").write_bytes(b"half a sector")  # from a crash
+    set_mtime(tmp_path / "v1" / "wip" / "leftover", 1_000_000)
+    (tmp_path / "v1" / "wip" / "busy").write_bytes(b"another process is writing this")
+    (tmp_path / "v1" / "ab").mkdir(exist_ok=True)
+    (tmp_path / "v1" / "ab" / "not-an-entry").write_bytes(b"?")
+
+    reopened = SectorCache(tmp_path, 1 << 20)
+    assert reopened.entries() == [entries[2][0], entries[1][0], entries[0][0]]
+    assert reopened.usage() == sum(len(s) for _, s in entries)
+    assert reopened.get(entries[1][0]) == entries[1][1]
+    assert [p.name for p in (tmp_path / "v1" / "wip").iterdir()] == ["busy"]
+    # the hit touched the file, so the order survives another restart
+    again = SectorCache(tmp_path, 1 << 20)
+    assert again.entries()[-1] == entries[1][0]
+
+
+def test_restart_with_a_smaller_cap_evicts_down(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    entries = [random_entry(rng) for _ in range(4)]
+    cache = SectorCache(tmp_path, 1 << 20)
+    for i, (key, stored) in enumerate(entries):
+        cache.put(key, stored)
+        set_mtime(tmp_path / "v1" / key[:2] / key, 1_000_000 + i)
+    small = SectorCache(tmp_path, 2 * len(entries[0][1]) + 10)
+    assert small.entries() == [entries[2][0], entries[3][0]]
+
+
+def test_processes_sharing_a_directory_see_each_others_entries(tmp_path: Path) -> None:
+    rng = random.Random(10)
+    a, b = random_entry(rng), random_entry(rng)
+    one, two = SectorCache(tmp_path, 1 << 20), SectorCache(tmp_path, 1 << 20)
+    one.put(*a)
+    assert a[0] in two and two.get(a[0]) == a[1]  # found on disk, adopted
+    assert two.usage() == len(a[1])
+    two.put(*b)
+    assert one.get_decoded(b[0]) is not None
+    two.discard(a[0])  # "evicted" by the other process
+    assert one.get(a[0]) is None and a[0] not in one
+
+
+def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
+    rng = random.Random(6)
+    a, b = random_entry(rng), random_entry(rng)
+    cache = SectorCache(tmp_path, 1 << 20)
+    cache.put(*a)
+    cache.put(*b)
+    (tmp_path / "v1" / a[0][:2] / a[0]).unlink()  # removed behind the cache's back
+    assert cache.gc() == 0
+    assert cache.entries() == [b[0]] and cache.usage() == len(b[1])
+    cache.clear()
+    assert len(cache) == 0 and cache.usage() == 0
+
+
+def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    entries = [random_entry(rng, 5000) for _ in range(40)]
+    cache = SectorCache(tmp_path, 20 * len(entries[0][1]))
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            for _ in range(50):
+                key, stored = r.choice(entries)
+                got = cache.get(key)
+                assert got is None or got == stored
+                cache.put(key, stored)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert cache.usage() <= cache.max_bytes
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "v1").glob("??/*"))
+    assert on_disk == cache.usage()
+    assert cache.metrics.corrupt.value == 0
+
+
+class FlakyDiskCache(SectorCache):
+    """Reports ENOSPC for the first ``fail`` writes."""
+
+    fail = 1
+
+    def _write_tmp(self, stored: bytes) -> Path:
+        if self.fail:
+            self.fail -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super()._write_tmp(stored)
+
+
+def test_disk_full_evicts_and_retries(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    a, b, c = (random_entry(rng) for _ in range(3))
+    cache = FlakyDiskCache(tmp_path, 1 << 20)
+    cache.fail = 0
+    cache.put(*a)
+    cache.put(*b)
+    cache.fail = 1
+    assert cache.put(*c)  # evicted (all it could) and retried
+    assert c[0] in cache and a[0] not in cache
+    cache.fail = 2
+    d = random_entry(rng)
+    assert not cache.put(*d)  # still full after evicting: dropped, no exception
+    assert cache.metrics.put_failures.value == 1
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    support.require_root()
+    support.require_tool("mount", "umount")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.root
+def test_real_full_filesystem_evicts_and_never_fails(tiny_fs: Path) -> None:
+    rng = random.Random(9)
+    cache = SectorCache(tiny_fs, 100 << 20)  # the cap is far above what the disk holds
+    entries = [random_entry(rng, 100_000) for _ in range(30)]  # ~3 MB into 1 MB
+    results = [cache.put(key, stored) for key, stored in entries]
+    assert results[-1]  # eviction made room for the newest
+    assert cache.metrics.evictions.value > 0
+    assert cache.usage() < 1 << 20
+    assert cache.get(entries[-1][0]) == entries[-1][1]
+    assert not list((tiny_fs / "v1" / "wip").iterdir())
