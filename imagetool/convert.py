@@ -23,6 +23,7 @@ from pathlib import Path
 
 from imagetool.erofs.writer import plan_erofs
 from imagetool.format import (
+    BLOB_MEDIA_TYPE,
     DEFAULT_SECTOR_SIZE,
     DEFAULT_ZSTD_LEVEL,
     Index,
@@ -150,7 +151,7 @@ def convert(
             config=_run_config(source.config),
             files=plan.files,
         )
-        store.put_blob(packed.blob_digest, blob_path, "application/vnd.lazyblock.sectors.v1")
+        store.put_blob(packed.blob_digest, blob_path, BLOB_MEDIA_TYPE)
         digest = store.publish(ref.tag or "latest", index.to_bytes())
         log.info("published %s:%s as %s", ref.name, ref.tag, digest)
         return ConvertResult(digest, index)

@@ -55,8 +55,14 @@ DEFAULT_ZSTD_LEVEL = 3
 COMPRESSION = "zstd"
 CHECKSUM = "xxh3-128"
 
-INDEX_MEDIA_TYPE = "application/vnd.lazyblock.index.v1+json"
-BLOB_MEDIA_TYPE = "application/vnd.lazyblock.sectors.v1"
+# Media types of the index and data blob. Both sit under "application/vnd.oci.image.layer.":
+# containerd 1.6/1.7 only treats such media types as layers (images.IsLayerType), and only
+# layers get snapshotter labels and may be skipped by a remote snapshotter, not downloaded.
+INDEX_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.index.v1+json"
+BLOB_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.sectors.v1"
+# A layer annotation under containerd's inherited prefix ("containerd.io/snapshot/"): every
+# containerd client passes it to the snapshotter as a Prepare label. Value: "index"/"blob".
+ANNOTATION_SNAPSHOT_ROLE = "containerd.io/snapshot/lazyblock.role"
 # Annotations put on the layers of a block image pushed to an OCI registry.
 ANNOTATION_ROLE = "dev.lazyblock.role"  # "index" or "blob"
 ANNOTATION_INDEX_DIGEST = "dev.lazyblock.index.digest"

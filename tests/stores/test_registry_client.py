@@ -23,6 +23,7 @@ from imagetool.format import (
     ANNOTATION_BLOB_DIGEST,
     ANNOTATION_INDEX_DIGEST,
     ANNOTATION_ROLE,
+    ANNOTATION_SNAPSHOT_ROLE,
     BLOB_MEDIA_TYPE,
     INDEX_MEDIA_TYPE,
     sha256_digest,
@@ -58,10 +59,11 @@ def test_published_manifest_layout(reg_store: RegistryStore, image) -> None:
     assert blob_layer["mediaType"] == BLOB_MEDIA_TYPE
     assert blob_layer["digest"] == image.blob_digest
     assert blob_layer["size"] == len(image.blob)
-    assert blob_layer["annotations"] == {ANNOTATION_ROLE: "blob"}
+    assert blob_layer["annotations"] == {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"}
     assert index_layer["mediaType"] == INDEX_MEDIA_TYPE
     assert index_layer["digest"] == image.index_digest
     assert index_layer["annotations"][ANNOTATION_ROLE] == "index"
+    assert index_layer["annotations"][ANNOTATION_SNAPSHOT_ROLE] == "index"
     assert index_layer["annotations"][ANNOTATION_INDEX_DIGEST] == image.index_digest
     assert index_layer["annotations"][ANNOTATION_BLOB_DIGEST] == image.blob_digest
     assert manifest["annotations"][ANNOTATION_INDEX_DIGEST] == image.index_digest
