@@ -1,0 +1,205 @@
+"""End to end with real containerd, runc and the registry: ordinary images through the
+lazyblock snapshotter, converted images mounted lazily, daemon restarts, removal.
+
+Marked root + integration: CI runs them as root (``.ci/run``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import itool
+import pytest
+from harness import CRI_NAMESPACE, NAMESPACE, Containerd
+from ocibuild import build_with_umoci, push_to_registry
+from support import Registry
+
+pytestmark = [pytest.mark.root, pytest.mark.integration]
+
+
+def busybox_tree(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    shutil.copy("/bin/busybox", root / "bin/busybox")
+    for applet in ("sh", "cat", "echo", "ls", "sleep", "id", "pwd", "env", "head", "wc"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc").mkdir()
+    (root / "etc/passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/app:/bin/sh\n"
+    )
+    (root / "etc/group").write_text("root:x:0:\napp:x:1000:\n")
+    (root / "tmp").mkdir(mode=0o1777)
+    (root / "tmp").chmod(0o1777)
+    return root
+
+
+def sample_image(tmp: Path, big: int = 0) -> Path:
+    """A 2-layer image: busybox, then an app (with ``big`` bytes of data never read)."""
+    base = busybox_tree(tmp / "t1")
+    app = tmp / "t2"
+    shutil.copytree(base, app, symlinks=True)
+    (app / "app").mkdir()
+    (app / "app/msg").write_text("hello from lazyblock\n")
+    if big:
+        import os
+
+        (app / "app/data.bin").write_bytes(os.urandom(big))
+    layout = tmp / "oci"
+    build_with_umoci(layout, "v1", [base, app], cmd=["/bin/cat", "/app/msg"], workdir="/app",
+                     env=["GREETING=hi"])  # fmt: skip
+    return layout
+
+
+def test_ordinary_image_pull_and_run(node: Containerd, registry: Registry, tmp_path: Path) -> None:
+    layout = sample_image(tmp_path)
+    push_to_registry(layout, "v1", registry.host, "plain/app")
+    ref = f"{registry.host}/plain/app:v1"
+    node.ctr("image", "pull", "--plain-http", "--snapshotter", "lazyblock", ref)
+    out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "plain1").stdout
+    assert out == "hello from lazyblock\n"
+    out = node.ctr(
+        "run", "--rm", "--snapshotter", "lazyblock", ref, "plain2", "/bin/sh", "-c",
+        "echo $GREETING; pwd; echo changed > /app/msg; cat /app/msg",
+    ).stdout  # fmt: skip
+    assert out == "hi\n/app\nchanged\n"
+    # The write went to the container's upper layer, not the image.
+    assert node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "plain3").stdout == (
+        "hello from lazyblock\n"
+    )
+    snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls").stdout
+    assert snaps.count("Committed") == 2
+    # Also via CRI (the kubelet's path), into the k8s.io namespace.
+    node.cri_pull(ref)
+    out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "plain4",
+                   namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out == "hello from lazyblock\n"
+    for ns in (NAMESPACE, CRI_NAMESPACE):
+        remove_images(node, ns)
+    for ns in (NAMESPACE, CRI_NAMESPACE):
+        assert wait_no_snapshots(node, ns) == []
+
+
+def remove_images(node: Containerd, namespace: str) -> None:
+    """Remove every image of ``namespace`` (CRI also names each image by its digests)."""
+    names = node.ctr("images", "ls", "-q", namespace=namespace).stdout.split()
+    if names:
+        node.ctr("images", "rm", "--sync", *names, namespace=namespace)
+
+
+def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> list[str]:
+    """Snapshots left in ``namespace`` once containerd's garbage collection settles."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls", namespace=namespace)
+        left = out.stdout.splitlines()[1:]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+BIG = 48 << 20  # never read by the container: the bytes a lazy pull must not fetch
+
+
+def registry_blob_bytes(registry: Registry, digest: str) -> int:
+    """Bytes the registry sent for blob ``digest`` (from its access log)."""
+    total = 0
+    for line in registry.log.read_text(errors="replace").splitlines():
+        m = re.search(r'"GET [^"]*/blobs/' + re.escape(digest) + r' HTTP/[0-9.]+" \d+ (\d+)', line)
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+@pytest.fixture(scope="module")
+def lazy_image(node: Containerd, registry: Registry, tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer image (busybox + app with 48 MiB of data) converted into the registry."""
+    tmp = tmp_path_factory.mktemp("lazyimg")
+    layout = sample_image(tmp, big=BIG)
+    ref = f"{registry.host}/lazy/app:v1"
+    itool.imagetool("--plain-http", "convert", "-q", "--sector-size", "1MiB",
+                    f"oci:{layout}:v1", f"docker://{ref}")  # fmt: skip
+    manifest = json.loads(
+        httpx.get(f"http://{registry.host}/v2/lazy/app/manifests/v1",
+                  headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).content
+    )  # fmt: skip
+    return ref, manifest
+
+
+def test_converted_image_runs_lazily(node: Containerd, registry: Registry, lazy_image) -> None:
+    ref, manifest = lazy_image
+    blob = manifest["layers"][0]
+    node.cri_pull(ref)
+    run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
+    out = node.ctr(*run, "lazy1", namespace=CRI_NAMESPACE).stdout
+    assert out == "hello from lazyblock\n"
+    out = node.ctr(*run, "lazy2", "/bin/sh", "-c", "echo $GREETING; pwd; id -u; ls /app",
+                   namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out == "hi\n/app\n0\ndata.bin\nmsg\n"
+    read = registry_blob_bytes(registry, blob["digest"])
+    assert 0 < read < blob["size"] // 4, (read, blob["size"])
+    logging.getLogger(__name__).info("read %d of %d blob bytes", read, blob["size"])
+    snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
+                     namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert snaps.count("Committed") == 2
+
+
+def _mount_config(node: Containerd):  # noqa: ANN202
+    from snapshotter.service import load_service_config
+
+    return load_service_config(node.snapshotter.config, {}).mount
+
+
+def _wait_reconnected(node: Containerd, timeout: float = 20) -> None:
+    """containerd redials a restarted proxy snapshotter with backoff; wait for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
+                        namespace=CRI_NAMESPACE, check=time.monotonic() > deadline)  # fmt: skip
+        if proc.returncode == 0:
+            return
+        time.sleep(0.3)
+
+
+def test_daemon_restart_keeps_running_container(node: Containerd, lazy_image) -> None:
+    ref, _ = lazy_image
+    node.cri_pull(ref)
+    node.ctr("run", "-d", "--snapshotter", "lazyblock", ref, "longrun", "/bin/sleep", "600",
+             namespace=CRI_NAMESPACE)  # fmt: skip
+    try:
+        node.snapshotter.restart()
+        _wait_reconnected(node)
+        # Data never read before the restart: served by the mount server that outlived it.
+        out = node.ctr("task", "exec", "--exec-id", "e1", "longrun", "/bin/sh", "-c",
+                       "head -c 3000000 /app/data.bin | wc -c; cat /app/msg",
+                       namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        assert out.split() == ["3000000", "hello", "from", "lazyblock"]
+        # The restarted daemon knows every snapshot, and new containers start.
+        snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
+                         namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        assert snaps.count("Committed") == 2 and snaps.count("Active") == 1
+        out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "after",
+                       namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        assert out == "hello from lazyblock\n"
+    finally:
+        node.cleanup_namespace(CRI_NAMESPACE)
+
+
+def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
+    from snapshotter import mount as mount_mod
+
+    ref, _ = lazy_image
+    node.cri_pull(ref)
+    config = _mount_config(node)
+    assert [m for m in mount_mod.list_mounts(config) if m.alive]
+    node.cleanup_namespace(CRI_NAMESPACE)
+    remove_images(node, CRI_NAMESPACE)
+    assert wait_no_snapshots(node, CRI_NAMESPACE) == []
+    deadline = time.monotonic() + 10
+    while mount_mod.list_mounts(config) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mount_mod.list_mounts(config) == []
+    assert list((node.snapshotter.root / "data" / "mounts").iterdir()) == []
