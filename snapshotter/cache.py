@@ -364,3 +364,33 @@ class SectorCache:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def cache_entries(root: os.PathLike[str] | str) -> list[tuple[str, int, float]]:
+    """(checksum, bytes, last use) of every entry in a cache directory, least recently used
+    first, read from disk without loading (or trimming) the cache."""
+    out = []
+    try:
+        subs = list(os.scandir(os.path.join(root, LAYOUT_VERSION)))
+    except OSError:
+        return []
+    for sub in subs:
+        if sub.name == "wip" or not sub.is_dir():
+            continue
+        try:
+            for entry in os.scandir(sub.path):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                out.append((entry.name, st.st_size, max(st.st_mtime, st.st_atime)))
+        except OSError:
+            pass
+    out.sort(key=lambda e: e[2])
+    return out
+
+
+def cache_usage(root: os.PathLike[str] | str) -> tuple[int, int]:
+    """(entries, bytes) in a cache directory, counted on disk (for status and metrics)."""
+    entries = cache_entries(root)
+    return len(entries), sum(size for _, size, _ in entries)

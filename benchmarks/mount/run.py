@@ -1,0 +1,215 @@
+"""Mount benchmark: one generated image of >= 2 GB, in one run (needs root, FUSE, a
+``docker-registry`` binary for the loopback store).
+
+    python benchmarks/mount/run.py [--size 2GiB] [--work /var/tmp/lazyblock-bench] [--json out.json]
+
+Measures, on the same image:
+* mount time (``snapshotter.mount.mount`` wall time, and the server's own breakdown);
+* sequential read throughput (every file, in order) and random read throughput (128 KiB
+  preads at random offsets) through the mount, **cold** (empty sector cache, store = a
+  registry on loopback) and **warm** (sectors in the local cache, kernel page cache dropped);
+* the same reads from the tree unpacked on local disk (page cache dropped): the reference;
+* what the store itself serves (parallel ranged reads of the whole data blob).
+
+Targets: mount < 0.5 s whatever the size; warm >= 70% of local disk; cold sequential >= 70%
+of the store's own throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from ocibuild import DEFAULT_MTIME, write_oci_layout  # noqa: E402
+from support import Registry  # noqa: E402
+
+from imagetool.image import open_image  # noqa: E402
+from imagetool.stores.base import StoreOptions  # noqa: E402
+from snapshotter import mount as api  # noqa: E402
+from snapshotter.config import MountConfig  # noqa: E402
+
+MIB = 1 << 20
+FILE_SIZE = 64 * MIB
+RANDOM_READ = 128 << 10
+RANDOM_COUNT = 2000
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def make_tree(root: Path, total: int) -> None:
+    """``total`` bytes in 64 MiB files: half random (weights-like), half text-like."""
+    rng = random.Random(42)
+    (root / "weights").mkdir(parents=True)
+    for i in range(total // FILE_SIZE):
+        with open(root / "weights" / f"shard-{i:03d}.bin", "wb") as f:
+            for _ in range(FILE_SIZE // (4 * MIB)):
+                f.write(rng.randbytes(2 * MIB))
+                pattern = b"lazyblock %d " % i
+                f.write((pattern * (2 * MIB // len(pattern) + 1))[: 2 * MIB])
+    (root / "etc").mkdir()
+    (root / "etc/config.txt").write_text("bench\n")
+
+
+def make_layout(tree: Path, layout: Path) -> None:
+    tar_path = layout.parent / "layer.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for p in sorted(tree.rglob("*")):
+            info = tar.gettarinfo(str(p), arcname=str(p.relative_to(tree)))
+            info.mtime = DEFAULT_MTIME
+            if p.is_file():
+                with open(p, "rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    write_oci_layout(layout, [tar_path.read_bytes()], tag="v1")
+    tar_path.unlink()
+
+
+def files_of(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.bin"))
+
+
+def seq_read(root: Path) -> float:
+    """MB/s reading every big file sequentially (1 MiB reads)."""
+    total = 0
+    start = time.monotonic()
+    for p in files_of(root):
+        with open(p, "rb", buffering=0) as f:
+            while chunk := f.read(MIB):
+                total += len(chunk)
+    return total / (time.monotonic() - start) / 1e6
+
+
+def rand_read(root: Path, seed: int = 7) -> float:
+    """MB/s of 128 KiB preads at random offsets over all big files (4 threads)."""
+    rng = random.Random(seed)
+    files = files_of(root)
+    plan = [
+        (rng.choice(files), rng.randrange(0, FILE_SIZE - RANDOM_READ)) for _ in range(RANDOM_COUNT)
+    ]
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
+
+    def one(item: tuple[Path, int]) -> int:
+        return len(os.pread(fds[item[0]], RANDOM_READ, item[1]))
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        total = sum(pool.map(one, plan))
+    elapsed = time.monotonic() - start
+    for fd in fds.values():
+        os.close(fd)
+    return total / elapsed / 1e6
+
+
+def store_throughput(ref: str, options: StoreOptions, parallel: int = 8) -> float:
+    """MB/s the store serves: the whole data blob in 16 MiB ranged reads, ``parallel`` at once."""
+    with open_image(ref, options) as img:
+        size = img.index.blob_size
+        digest = img.index.blob_digest
+        chunks = [(o, min(16 * MIB, size - o)) for o in range(0, size, 16 * MIB)]
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            total = sum(
+                len(b) for b in pool.map(lambda c: img.store.read_range(digest, *c), chunks)
+            )
+        return total / (time.monotonic() - start) / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", type=int, default=2 << 30, help="image bytes (default 2 GiB)")
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/lazyblock-bench"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--backing", default="auto")
+    args = parser.parse_args()
+    work: Path = args.work
+    results: dict[str, object] = {"image_bytes": args.size}
+    tree = work / "tree"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t = time.monotonic()
+    make_tree(tree, args.size)
+    make_layout(tree, work / "oci")
+    results["build_seconds"] = time.monotonic() - t
+    (work / "registry").mkdir()
+    registry = Registry(work / "registry")
+    try:
+        ref = f"docker://{registry.host}/bench/image:v1"
+        t = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "imagetool.cli", "--plain-http", "convert", "-q",
+             "--tmpdir", str(work), f"oci:{work / 'oci'}:v1", ref],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        results["convert_seconds"] = time.monotonic() - t
+        options = StoreOptions(plain_http=True)
+        drop_caches()
+        results["store_MBps"] = store_throughput(ref, options)
+
+        mnt = work / "mnt"
+        mnt.mkdir(exist_ok=True)
+        cache = work / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        cfg = MountConfig(cache_dir=cache, cache_size=64 << 30, state_dir=work / "state",
+                          prefetch=False, store=options, backing=args.backing)  # fmt: skip
+        api.unmount(mnt, cfg)
+        try:
+            t = time.monotonic()
+            api.mount(ref, mnt, cfg)
+            results["mount_seconds"] = time.monotonic() - t
+            results["mount_breakdown"] = api.stats(mnt, cfg)["mount_seconds"]
+            drop_caches()
+            results["cold_seq_MBps"] = seq_read(mnt)
+            results["cold_fetch"] = {k: v for k, v in api.stats(mnt, cfg)["fetch"].items()
+                                     if not isinstance(v, dict)}  # fmt: skip
+            drop_caches()
+            results["warm_seq_MBps"] = seq_read(mnt)
+            drop_caches()
+            results["warm_rand_MBps"] = rand_read(mnt)
+        finally:
+            api.unmount(mnt, cfg)
+        # cold random: a fresh cache
+        shutil.rmtree(cache, ignore_errors=True)
+        try:
+            api.mount(ref, mnt, cfg)
+            drop_caches()
+            results["cold_rand_MBps"] = rand_read(mnt)
+        finally:
+            api.unmount(mnt, cfg)
+        drop_caches()
+        results["local_seq_MBps"] = seq_read(tree)
+        drop_caches()
+        results["local_rand_MBps"] = rand_read(tree)
+    finally:
+        registry.stop()
+    r = results
+    r["targets"] = {
+        "mount_under_0.5s": r["mount_seconds"] < 0.5,  # type: ignore[operator]
+        "warm_seq_vs_local": r["warm_seq_MBps"] / r["local_seq_MBps"],  # type: ignore[operator]
+        "warm_rand_vs_local": r["warm_rand_MBps"] / r["local_rand_MBps"],  # type: ignore[operator]
+        "cold_seq_vs_store": r["cold_seq_MBps"] / r["store_MBps"],  # type: ignore[operator]
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The ``snapshotter`` command line: options become a ``Config``, errors become exit codes.
+
+Every command reads the configuration file (``--config``, default
+``/etc/lazyblock/config.toml``); every key in it can be overridden with
+``--set section.key=value`` and the common ones have their own flags.
+
+Exit codes: 0 success, 2 usage error, 3 any snapshotter or imagetool error (one line:
+``snapshotter: error: <Type>: <message>``), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from imagetool.errors import ImageToolError
+from snapshotter.errors import SnapshotterError
+
+log = logging.getLogger("snapshotter")
+
+EXIT_ERROR = 3
+EXIT_INTERRUPTED = 130
+
+
+def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--config, --set and the flags for the most used keys."""
+
+    @click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Configuration file [default: /etc/lazyblock/config.toml].",
+    )
+    @click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="SECTION.KEY=VALUE",
+        help="Override any configuration key (repeatable).",
+    )
+    @click.option("--cache-dir", help="Sector cache directory (cache.dir).")
+    @click.option("--cache-size", help="Sector cache cap, e.g. 20GiB (cache.size).")
+    @click.option("--state-dir", help="Mount state directory (state.dir).")
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from snapshotter.config import load_config
+
+        overrides: dict[str, object] = {}
+        for item in kwargs.pop("sets"):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise click.BadParameter(f"{item!r} is not SECTION.KEY=VALUE", param_hint="--set")
+            overrides[key.strip()] = value.strip()
+        for flag, key in (("cache_dir", "cache.dir"), ("cache_size", "cache.size"),
+                          ("state_dir", "state.dir")):  # fmt: skip
+            value = kwargs.pop(flag)
+            if value is not None:
+                overrides[key] = value
+        for flag, key in (("prefetch", "prefetch.enabled"),
+                          ("background_fetch", "prefetch.background_fetch"),
+                          ("backing", "mount.backing")):  # fmt: skip
+            if flag in kwargs:
+                value = kwargs.pop(flag)
+                if value is not None:
+                    overrides[key] = value
+        kwargs["config"] = load_config(kwargs.pop("config_path"), overrides)
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+class _Group(click.Group):
+    """Loads ``serve`` (gRPC and its stubs) only when it is the command being run, so the
+    other commands, ``mount`` above all, start fast."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), "serve"])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "serve":
+            from snapshotter.service import serve_command
+
+            return serve_command
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.version_option(package_name="lazyblock")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """Mount lazyblock block images lazily, and inspect the mounts."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    ctx.obj = {"log_level": level}
+
+
+@cli.command(name="mount")
+@click.argument("ref")
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--prefetch/--no-prefetch", default=None,
+              help="Warm the cache with the image's startup profile.")  # fmt: skip
+@click.option("--background-fetch", is_flag=True, default=None,
+              help="Then fetch the whole image in the background.")  # fmt: skip
+@click.option("--backing", type=click.Choice(["auto", "file", "loop"]),
+              help="erofs on the FUSE file directly (file) or through a loop device.")  # fmt: skip
+@click.option("--foreground", is_flag=True, help="Serve from this process until unmounted.")
+@_config_options
+@click.pass_context
+def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, config) -> None:  # noqa: ANN001
+    """Mount image REF read-only at MOUNTPOINT; returns once the tree is browsable.
+
+    REF is any store reference imagetool accepts (/dir/NAME:TAG, s3://..., docker://...).
+    """
+    from snapshotter import mount as api
+
+    started = time.monotonic()
+    if foreground:
+
+        def ready(doc: dict[str, Any]) -> None:
+            if doc.get("ok"):
+                click.echo(f"mounted {ref} at {mountpoint} in {time.monotonic() - started:.3f}s")
+                _sd_notify("READY=1")
+            else:
+                click.echo(f"snapshotter: error: {doc['type']}: {doc['error']}", err=True)
+
+        sys.exit(api.run_foreground(ref, mountpoint, config.mount, ready))
+    info = api.mount(ref, mountpoint, config.mount, log_level=ctx.find_root().obj["log_level"])
+    log.info("mounted in %.3fs", time.monotonic() - started)
+    click.echo(f"{info.mountpoint} {info.index_digest} pid={info.pid} backing={info.backing}")
+
+
+def _sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) that we are ready, if it asked."""
+    import os
+    import socket
+
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(message.encode(), addr)
+
+
+@cli.command(name="umount")
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-l", "--lazy", is_flag=True, help="Detach now even if busy.")
+@_config_options
+def umount_cmd(mountpoint: Path, lazy: bool, config) -> None:  # noqa: ANN001
+    """Unmount MOUNTPOINT and stop its server (also cleans up after a dead one)."""
+    from snapshotter import mount as api
+
+    api.unmount(mountpoint, config.mount, lazy=lazy)
+
+
+@cli.command()
+@click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_config_options
+def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN001
+    """Mounts, cache use and per-mount statistics."""
+    from snapshotter import mount as api
+    from snapshotter.cache import cache_usage
+
+    mounts = []
+    for info in api.list_mounts(config.mount):
+        if mountpoint is not None and info.mountpoint != mountpoint.absolute():
+            continue
+        doc = info.to_dict()
+        if info.alive and info.phase == "ready":
+            try:
+                doc["stats"] = api.stats(info.mountpoint, config.mount)
+            except SnapshotterError as e:
+                doc["stats_error"] = str(e)
+        mounts.append(doc)
+    entries, used = cache_usage(config.mount.cache_dir)
+    cache = {
+        "dir": str(config.mount.cache_dir),
+        "entries": entries,
+        "bytes": used,
+        "max_bytes": config.mount.cache_size,
+    }
+    if as_json:
+        click.echo(json.dumps({"mounts": mounts, "cache": cache}, indent=2))
+        return
+    click.echo(f"cache {cache['dir']}: {entries} sectors, {_human(used)} of "
+               f"{_human(cache['max_bytes'])}")  # fmt: skip
+    if not mounts:
+        click.echo("no mounts")
+    for m in mounts:
+        state = "ready" if m["alive"] and m["phase"] == "ready" else (
+            m["phase"] if m["alive"] else "DEAD (run umount)")  # fmt: skip
+        click.echo(f"{m['mountpoint']}: {m['ref']} [{state}] pid {m['pid']} via {m['backing']}")
+        s = m.get("stats")
+        if s:
+            f = s["fetch"]
+            lat = f["fetch_latency"]
+            hits, misses = f["cache_hits"], f["cache_misses"]
+            ratio = hits / (hits + misses) if hits + misses else 0.0
+            click.echo(
+                f"  fetched {f['sectors_fetched']} sectors ({_human(f['bytes_fetched'])}) in "
+                f"{f['store_requests']} requests; cache hits {hits} ({ratio:.0%}); "
+                f"latency p50 {_ms(lat['p50'])} p90 {_ms(lat['p90'])} p99 {_ms(lat['p99'])}"
+            )
+            click.echo(
+                f"  errors: fetch {f['fetch_errors']}, store {f['store_errors']}, checksum "
+                f"{f['checksum_errors']}, reads {s['reads']['errors']}; in flight "
+                f"{f['inflight']}; prefetch {s['prefetch']['mode']} "
+                f"{s['prefetch']['fetched']}/{s['prefetch']['planned']}"
+            )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}ms"
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f}{unit}" if unit != "B" else f"{int(size)}B"
+        size /= 1024
+    return f"{n}B"
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              required=True, help="Profile file (imagetool convert --profile).")  # fmt: skip
+@_config_options
+def profile(mountpoint: Path, output: Path, config) -> None:  # noqa: ANN001
+    """Write the files read through MOUNTPOINT so far, in first-access order."""
+    from snapshotter import mount as api
+
+    files = api.profile(mountpoint, config.mount)
+    text = "".join(f"{p}\n" for p in files if "\n" not in p)
+    output.write_text("# lazyblock startup profile: files in first-access order\n" + text)
+    log.info("%d files written to %s", len(files), output)
+
+
+@cli.group()
+def cache() -> None:
+    """Inspect and trim the node's sector cache."""
+
+
+@cache.command(name="ls")
+@_config_options
+def cache_ls(config) -> None:  # noqa: ANN001
+    """List cache entries (checksum, bytes, last use), least recently used first."""
+    from snapshotter.cache import cache_entries
+
+    for checksum, size, used in cache_entries(config.mount.cache_dir):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(used))
+        click.echo(f"{checksum} {size:>9} {stamp}")
+
+
+@cache.command(name="gc")
+@_config_options
+def cache_gc(config) -> None:  # noqa: ANN001
+    """Evict least recently used entries down to the cache's size cap; drop leftovers."""
+    from snapshotter.cache import SectorCache
+
+    c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
+    freed = c.gc()
+    click.echo(f"freed {_human(freed)}; {len(c)} entries, {_human(c.usage())} in use")
+
+
+@cache.command(name="clear")
+@_config_options
+def cache_clear(config) -> None:  # noqa: ANN001
+    """Remove every cache entry (running mounts refetch what they need)."""
+    from snapshotter.cache import SectorCache
+
+    c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
+    c.clear()
+    click.echo("cache cleared")
+
+
+@cli.command()
+@click.option("--listen", help="host:port for the Prometheus endpoint (metrics.listen).")
+@_config_options
+def metrics(listen: str | None, config) -> None:  # noqa: ANN001
+    """Serve Prometheus metrics of every mount on this node (runs until stopped)."""
+    from snapshotter.promexport import serve_forever
+
+    serve_forever(listen or config.metrics_listen, config.mount)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("snapshotter: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("snapshotter: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except (SnapshotterError, ImageToolError) as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"snapshotter: error: {type(e).__name__}: {msg}", err=True)
+        sys.exit(EXIT_ERROR)
+    except OSError as e:
+        click.echo(f"snapshotter: error: {type(e).__name__}: {e}", err=True)
+        sys.exit(EXIT_ERROR)
+
+
+if __name__ == "__main__":
+    main()

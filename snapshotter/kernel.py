@@ -1,0 +1,202 @@
+"""The kernel side of a mount: erofs on top of the FUSE file, and taking it all down again.
+
+Two ways to put the kernel's erofs on a regular file:
+
+* **file-backed** (``mount -t erofs <file>``, kernel >= 6.12 with
+  ``CONFIG_EROFS_FS_BACKED_BY_FILE``): erofs reads the file itself. No device to allocate or
+  leak, so it is preferred.
+* **loop**: a read-only loop device with direct I/O (so the FUSE file's pages are not cached
+  twice, once under the loop device and once under erofs), marked *autoclear* right after
+  the mount so that it disappears with the last unmount, even when the server dies.
+
+mount(2)/umount2(2) are called directly (ctypes) rather than through mount(8), which would
+silently set up a loop device for a regular file. Everything here needs CAP_SYS_ADMIN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshotter.errors import SnapshotterError
+
+log = logging.getLogger(__name__)
+
+MS_RDONLY = 1
+MNT_FORCE = 1
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+class KernelMountError(SnapshotterError):
+    """mount(2), umount2(2) or the loop device setup failed."""
+
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.os_errno = err
+
+
+def sys_mount(source: str, target: Path, fstype: str, flags: int = 0, data: str = "") -> None:
+    if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), flags, data.encode()):
+        err = ctypes.get_errno()
+        raise KernelMountError(f"mount -t {fstype} {source} {target}: {os.strerror(err)}", err)
+
+
+def sys_umount(target: Path, flags: int = 0) -> None:
+    if _libc.umount2(os.fsencode(target), flags):
+        err = ctypes.get_errno()
+        raise KernelMountError(f"umount {target}: {os.strerror(err)}", err)
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo."""
+
+    mount_id: int
+    device: str  # "major:minor"
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo
+    out, i = [], 0
+    while i < len(field):
+        code = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(code) == 3 and code.isdigit():
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts() -> list[MountEntry]:
+    entries = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            a, b = left.split(), right.split()
+            entries.append(MountEntry(int(a[0]), a[2], _unescape(a[4]), b[0], _unescape(b[1])))
+    return entries
+
+
+def mounted_at(path: Path) -> list[MountEntry]:
+    """Mounts stacked on ``path`` (bottom first)."""
+    where = os.path.abspath(path)
+    return [m for m in mounts() if m.mountpoint == where]
+
+
+def is_mountpoint(path: Path) -> bool:
+    return bool(mounted_at(path))
+
+
+# --- erofs -------------------------------------------------------------------------------
+
+
+def attach_erofs(image: Path, mountpoint: Path, backing: str) -> tuple[str, str | None]:
+    """Mount the erofs image in the file ``image`` read-only on ``mountpoint``.
+
+    ``backing``: "file", "loop" or "auto" (file-backed when the kernel can). Returns
+    (backing used, loop device or None)."""
+    if backing in ("auto", "file"):
+        try:
+            sys_mount(str(image), mountpoint, "erofs", MS_RDONLY)
+            return "file", None
+        except KernelMountError as e:
+            # ENOTBLK: this kernel's erofs wants a block device (no file-backed mounts).
+            if backing == "file" or e.os_errno not in (errno.ENOTBLK, errno.EINVAL):
+                raise
+            log.info("erofs file-backed mount unavailable (%s); using a loop device", e)
+    device = _loop_attach(image)
+    try:
+        sys_mount(device, mountpoint, "erofs", MS_RDONLY)
+    except BaseException:
+        _loop_detach(device)
+        raise
+    # Detaching a busy loop device marks it autoclear: it goes away with the erofs mount.
+    _loop_detach(device)
+    return "loop", device
+
+
+def _loop_attach(image: Path) -> str:
+    proc = subprocess.run(
+        ["losetup", "--find", "--show", "--read-only", "--direct-io=on", str(image)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise KernelMountError(f"losetup {image}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _loop_detach(device: str) -> None:
+    proc = subprocess.run(["losetup", "--detach", device], capture_output=True, text=True)
+    if proc.returncode != 0 and "No such device" not in proc.stderr:
+        log.warning("losetup --detach %s: %s", device, proc.stderr.strip())
+
+
+def loop_backing_file(device: str) -> str | None:
+    """The file a loop device is attached to, or None if it is free."""
+    name = os.path.basename(device)
+    with contextlib.suppress(OSError):
+        return Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
+    return None
+
+
+def unmount_path(path: Path, lazy_fallback: bool = True) -> bool:
+    """Unmount everything stacked on ``path``. A busy mount is detached lazily when
+    ``lazy_fallback`` (its users keep it until they let go), else ``KernelMountError``
+    (EBUSY). Returns whether something was mounted."""
+    found = False
+    while mounted_at(path):
+        found = True
+        try:
+            sys_umount(path)
+        except KernelMountError as e:
+            if e.os_errno == errno.EINVAL:  # not a mountpoint (raced with another umount)
+                continue
+            if e.os_errno != errno.EBUSY or not lazy_fallback:
+                raise
+            log.warning("%s is busy; detaching it lazily", path)
+            sys_umount(path, MNT_DETACH)
+    return found
+
+
+def abort_fuse(path: Path, device: str = "") -> None:
+    """Abort the FUSE connection mounted at ``path``, or with ``device`` ("major:minor",
+    for one already detached), so that its server's loop ends and whatever still uses it
+    gets ENOTCONN instead of hanging."""
+    devices = {m.device for m in mounted_at(path) if m.fstype.startswith("fuse")}
+    if device:
+        devices.add(device)
+    for dev in devices:
+        minor = dev.split(":")[1]
+        with contextlib.suppress(OSError):
+            Path(f"/sys/fs/fuse/connections/{minor}/abort").write_text("1")
+
+
+def unmount_fuse(path: Path, attempts: int = 10, pause: float = 0.05) -> None:
+    """Unmount a FUSE file system, retrying briefly while it is busy (the kernel lets go of
+    the erofs mount's reference asynchronously), then detaching it lazily."""
+    for _ in range(attempts):
+        try:
+            unmount_path(path, lazy_fallback=False)
+            return
+        except KernelMountError as e:
+            if e.os_errno != errno.EBUSY:
+                raise
+            time.sleep(pause)
+    unmount_path(path, lazy_fallback=True)

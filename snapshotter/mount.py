@@ -1,0 +1,319 @@
+"""Mount, inspect and unmount block images: the snapshotter's Python API.
+
+This is what the CLI and the containerd-facing service call; it is stable::
+
+    info = mount("docker://reg/app:v1", Path("/mnt/app"), config)   # -> MountInfo
+    stats(Path("/mnt/app"), config)                                  # -> dict (JSON-able)
+    list_mounts(config)                                              # -> [MountInfo]
+    unmount(Path("/mnt/app"), config)                                # idempotent
+
+Each mount is served by its own long-lived process (``snapshotter.mountd``), started detached
+here, so the caller may exit or restart without disturbing running containers. ``mount``
+returns once that server reports the tree browsable (index verified, metadata sectors local,
+erofs mounted). Everything a later process needs to find and clean up a mount is recorded
+under ``config.state_dir`` (``snapshotter.state``), so ``unmount`` also works after the
+server died (killed, crashed): it takes erofs down (lazily: users of a dead mount get EIO
+anyway), aborts and unmounts the FUSE file system and lets the loop device go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snapshotter import control, kernel, state
+from snapshotter.config import MountConfig
+from snapshotter.errors import SnapshotterError
+
+log = logging.getLogger(__name__)
+
+# How long unmount waits for a server to exit after its FUSE file system is gone.
+SERVER_EXIT_TIMEOUT = 10.0
+# Extra seconds mount() waits beyond config.mount_timeout (process start, imports).
+STARTUP_SLACK = 15.0
+
+
+class MountError(SnapshotterError):
+    """A mount could not be set up (the message says why: store, index, kernel...)."""
+
+
+class AlreadyMountedError(MountError):
+    errno = errno.EBUSY
+
+
+class NotMountedError(SnapshotterError):
+    """No live lazyblock mount at that mountpoint."""
+
+    errno = errno.EINVAL
+
+
+class MountBusyError(SnapshotterError):
+    """The mount is in use; unmount it lazily or stop its users first."""
+
+    errno = errno.EBUSY
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mountpoint: Path
+    ref: str
+    index_digest: str
+    pid: int
+    alive: bool  # the server process runs
+    phase: str  # "starting" or "ready"
+    backing: str  # "file" (erofs file-backed) or "loop"
+    loop_device: str
+    started_at: float
+    state_dir: Path  # this mount's directory under config.state_dir
+
+    @classmethod
+    def from_record(cls, record: state.MountRecord, directory: Path) -> MountInfo:
+        return cls(
+            mountpoint=Path(record.mountpoint),
+            ref=record.ref,
+            index_digest=record.index_digest,
+            pid=record.pid,
+            alive=record.alive,
+            phase=record.phase,
+            backing=record.backing,
+            loop_device=record.loop_device,
+            started_at=record.started_at,
+            state_dir=directory,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mountpoint": str(self.mountpoint),
+            "ref": self.ref,
+            "index_digest": self.index_digest,
+            "pid": self.pid,
+            "alive": self.alive,
+            "phase": self.phase,
+            "backing": self.backing,
+            "loop_device": self.loop_device,
+            "started_at": self.started_at,
+        }
+
+
+def mount(
+    ref: str, mountpoint: Path, config: MountConfig, *, log_level: int = logging.INFO
+) -> MountInfo:
+    """Mount image ``ref`` read-only at ``mountpoint`` (an existing directory), served by a
+    new detached server process. Returns when the tree is browsable."""
+    mountpoint = Path(os.path.abspath(mountpoint))
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    if record is not None:
+        if record.alive and (record.phase != "ready" or kernel.is_mountpoint(mountpoint)):
+            raise AlreadyMountedError(f"{mountpoint} is already mounted ({record.ref})")
+        log.info("cleaning up after the dead or orphaned server of %s", mountpoint)
+        unmount(mountpoint, config)
+    if not mountpoint.is_dir():
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    request = {
+        "ref": ref,
+        "mountpoint": str(mountpoint),
+        "config": config.to_dict(),
+        "log_level": log_level,
+    }
+    read_end, write_end = os.pipe()
+    try:
+        with open(directory / state.LOG_FILE, "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "snapshotter.mountd", "--ready-fd", str(write_end)],
+                stdin=subprocess.PIPE, stdout=logf, stderr=logf, pass_fds=(write_end,),
+                start_new_session=True, cwd="/",
+            )  # fmt: skip
+        os.close(write_end)
+        write_end = -1
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(request).encode())
+        proc.stdin.close()
+        answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    if answer is None or not answer.get("ok"):
+        if answer is None:
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(SERVER_EXIT_TIMEOUT)
+        reason = (
+            f"{answer.get('type')}: {answer.get('error')}"
+            if answer
+            else f"server exited or timed out: {_log_tail(directory / state.LOG_FILE)}"
+        )
+        with contextlib.suppress(SnapshotterError):
+            unmount(mountpoint, config)
+        raise MountError(f"cannot mount {ref} at {mountpoint}: {reason}")
+    # Reap the server whenever it exits, so a long-lived caller collects no zombies.
+    threading.Thread(target=proc.wait, name="lazyblock-reap", daemon=True).start()
+    record = state.MountRecord.load(directory)
+    if record is None:
+        raise MountError(f"server for {mountpoint} is ready but left no state")
+    return MountInfo.from_record(record, directory)
+
+
+def _read_ready(fd: int, timeout: float) -> dict[str, Any] | None:
+    """The server's readiness line, or None if it closed the pipe or timed out."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return json.loads(data.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    with contextlib.suppress(OSError):
+        tail = path.read_text(errors="replace").strip().splitlines()[-lines:]
+        return " | ".join(tail) or "no log"
+    return "no log"
+
+
+def run_foreground(
+    ref: str,
+    mountpoint: Path,
+    config: MountConfig,
+    on_ready: Callable[[dict[str, Any]], None],
+) -> int:
+    """Serve a mount in this process (``snapshotter mount --foreground``, systemd units)
+    until it is unmounted or signalled; ``on_ready`` gets the readiness document."""
+    from snapshotter import mountd
+
+    mountpoint = Path(os.path.abspath(mountpoint))
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    if record is not None:
+        if record.alive:
+            raise AlreadyMountedError(f"{mountpoint} is already mounted ({record.ref})")
+        unmount(mountpoint, config)
+    return mountd.run(ref, mountpoint, config, on_ready)
+
+
+def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> None:
+    """Unmount the image at ``mountpoint`` and end its server; a no-op if nothing is there.
+
+    A live mount that is busy raises ``MountBusyError`` unless ``lazy`` (then it is
+    detached now and its server keeps serving the remaining users until they let go). The
+    remains of a dead server are always cleaned up."""
+    mountpoint = Path(os.path.abspath(mountpoint))
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    fuse_dir = directory / state.FUSE_DIR
+    alive = record is not None and record.alive
+    if alive:
+        try:
+            kernel.unmount_path(mountpoint, lazy_fallback=lazy)
+        except kernel.KernelMountError as e:
+            if e.os_errno == errno.EBUSY:
+                raise MountBusyError(f"{mountpoint} is busy (use a lazy unmount)") from None
+            raise
+        kernel.unmount_fuse(fuse_dir)
+        assert record is not None
+        if not lazy and not _wait_exit(record, 1.0):
+            # Something still holds the file systems (a copy of the mount in another mount
+            # namespace, say): end the FUSE connection, which ends the server.
+            log.warning("%s is still referenced; aborting its FUSE connection", mountpoint)
+            kernel.abort_fuse(fuse_dir, record.fuse_device)
+        if not _wait_exit(record, SERVER_EXIT_TIMEOUT) and not lazy:
+            log.warning("server %d of %s did not exit; killing it", record.pid, mountpoint)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, signal.SIGKILL)
+            _wait_exit(record, SERVER_EXIT_TIMEOUT)
+    else:
+        # A dead server: its FUSE connection is gone, whatever reads erofs gets EIO.
+        if _ours_at(mountpoint, directory):
+            kernel.unmount_path(mountpoint, lazy_fallback=True)
+        kernel.abort_fuse(fuse_dir, record.fuse_device if record else "")
+        kernel.unmount_path(fuse_dir, lazy_fallback=True)
+    if record is not None and record.loop_device:
+        _release_loop(record.loop_device, fuse_dir)
+    if directory.exists() and not (alive and lazy and record and record.alive):
+        state.remove_mount_dir(directory)
+
+
+def _ours_at(mountpoint: Path, directory: Path) -> bool:
+    """Whether the top mount at ``mountpoint`` is erofs on our FUSE file or a loop device
+    (never unmount somebody else's file system on a stale record)."""
+    stack = kernel.mounted_at(mountpoint)
+    if not stack:
+        return False
+    top = stack[-1]
+    return top.fstype == "erofs" and (
+        top.source.startswith(str(directory)) or top.source.startswith("/dev/loop")
+    )
+
+
+def _release_loop(device: str, fuse_dir: Path) -> None:
+    backing = kernel.loop_backing_file(device)
+    if backing and backing.startswith(str(fuse_dir)):
+        subprocess.run(["losetup", "--detach", device], capture_output=True)
+
+
+def _wait_exit(record: state.MountRecord, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while record.alive:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def list_mounts(config: MountConfig) -> list[MountInfo]:
+    """Every mount recorded under ``config.state_dir``, live or dead (``alive`` says)."""
+    out = []
+    for directory in state.all_mount_dirs(config.state_dir):
+        record = state.MountRecord.load(directory)
+        if record is not None:
+            out.append(MountInfo.from_record(record, directory))
+    return out
+
+
+def _live_record(mountpoint: Path, config: MountConfig) -> tuple[state.MountRecord, Path]:
+    mountpoint = Path(os.path.abspath(mountpoint))
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    if record is None:
+        raise NotMountedError(f"no lazyblock mount at {mountpoint}")
+    if not record.alive:
+        raise NotMountedError(f"the server of {mountpoint} is dead (run umount to clean up)")
+    return record, directory
+
+
+def stats(mountpoint: Path, config: MountConfig, timeout: float = 10.0) -> dict[str, Any]:
+    """The mount's statistics (see ``snapshotter.mountd.MountServer._stats``)."""
+    _, directory = _live_record(mountpoint, config)
+    return control.request(directory / state.CONTROL_SOCKET, "stats", timeout)
+
+
+def profile(mountpoint: Path, config: MountConfig, timeout: float = 30.0) -> list[str]:
+    """Paths of the files read through the mount so far, in first-access order."""
+    _, directory = _live_record(mountpoint, config)
+    return control.request(directory / state.CONTROL_SOCKET, "profile", timeout)["files"]

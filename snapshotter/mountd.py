@@ -1,0 +1,337 @@
+"""The mount server: one long-lived process per mounted image.
+
+``snapshotter mount`` (``snapshotter.mount.mount``) starts it detached, or the CLI runs it in
+the foreground. In order, it:
+
+1. opens the store, resolves the reference, fetches the index and verifies it (digest,
+   format, data blob size);
+2. fetches the metadata sectors (in parallel, through the fetcher: coalesced requests on
+   its workers) into the node's sector cache;
+3. serves the FUSE file (``snapshotter.fuse``) on libfuse's threads;
+4. puts the kernel's erofs on it at the mountpoint (``snapshotter.kernel``);
+5. records itself (``snapshotter.state``), opens its control socket and reports readiness;
+6. starts the prefetcher, then serves until the FUSE file system is unmounted (that is how
+   ``snapshotter umount`` ends it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts
+   erofs and FUSE itself).
+
+The server owns nothing that outlives it but its state directory, which ``umount`` removes
+even after a crash: the erofs mount (a loop device is autoclear), the FUSE mount (aborted by
+the kernel when the server's /dev/fuse closes) and the socket.
+
+Readiness goes to the parent as one JSON line on an inherited pipe: ``{"ok": true, ...}`` or
+``{"ok": false, "type": ..., "error": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from imagetool.errors import FormatError
+from imagetool.format import Index
+from imagetool.stores import open_store, parse_ref
+from imagetool.stores.base import Store
+from snapshotter import fuse, kernel, state
+from snapshotter.cache import SectorCache
+from snapshotter.config import MountConfig
+from snapshotter.control import ControlServer
+from snapshotter.errors import SnapshotterError
+from snapshotter.fetcher import SectorFetcher
+from snapshotter.metrics import MountMetrics
+from snapshotter.prefetch import Prefetcher
+from snapshotter.reader import BlockReader
+
+log = logging.getLogger(__name__)
+
+# erofs mount options tried in order: "directio" makes erofs read the FUSE file with direct
+# I/O (one cache, the erofs one, and no FUSE read-ahead past what erofs asked for); kernels
+# before 6.13 lack the option.
+EROFS_FILE_OPTIONS = ("directio", "")
+
+
+class MountServer:
+    """One mounted image. ``start`` does steps 1-5, ``serve`` step 6, ``close`` tears down."""
+
+    def __init__(self, ref: str, mountpoint: Path, config: MountConfig) -> None:
+        self.ref = ref
+        self.mountpoint = Path(os.path.abspath(mountpoint))
+        self.config = config
+        self.dir = state.mount_dir(config.state_dir, self.mountpoint)
+        self.fuse_dir = self.dir / state.FUSE_DIR
+        self.stop_requested = threading.Event()
+        self.started = time.time()
+        self.record: state.MountRecord | None = None
+        self.store: Store | None = None
+        self.index: Index | None = None
+        self.index_digest = ""
+        self.metrics = MountMetrics()
+        self.cache: SectorCache | None = None
+        self.fetcher: SectorFetcher | None = None
+        self.reader: BlockReader | None = None
+        self.operations: fuse.BlockFile | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.control: ControlServer | None = None
+        self._fuse_thread: threading.Thread | None = None
+        self._fuse_outcome: dict[str, BaseException] = {}
+        self._backing = ""
+        self._loop_device = ""
+        self._fuse_device = ""
+        self._mount_seconds: dict[str, float] = {}
+
+    # --- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        if not self.mountpoint.is_dir():
+            raise MountServerError(f"mountpoint {self.mountpoint} is not a directory")
+        if kernel.is_mountpoint(self.mountpoint):
+            raise MountServerError(f"{self.mountpoint} is already a mount point")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fuse_dir.mkdir(exist_ok=True)
+        self._save("starting")
+
+        ref = parse_ref(self.ref)
+        self.store = open_store(ref, cfg.store)
+        self.index_digest = self.store.resolve_ref(ref)
+        self.index = Index.from_bytes(self.store.read_blob(self.index_digest))
+        if self.store.blob_size(self.index.blob_digest) != self.index.blob_size:
+            raise FormatError(f"data blob {self.index.blob_digest} has the wrong size")
+        t1 = time.monotonic()
+
+        self.cache = SectorCache(cfg.cache_dir, cfg.cache_size)
+        self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
+        self.reader = BlockReader(
+            self.index, self.fetcher, cfg.memory_sectors, timeout=cfg.read_timeout
+        )
+        self.fetcher.get(range(self.index.metadata_sectors), time.monotonic() + cfg.mount_timeout)
+        t2 = time.monotonic()
+
+        initialised = threading.Event()
+        self.operations = fuse.BlockFile(self.reader, on_init=initialised.set)
+        fsname = f"lazyblock:{self.index_digest[7:19]}"
+        self._fuse_thread, self._fuse_outcome = fuse.serve_in_thread(
+            self.operations, self.fuse_dir, fsname
+        )
+        while not initialised.wait(0.05):
+            if not self._fuse_thread.is_alive():
+                err = self._fuse_outcome.get("error")
+                raise MountServerError(f"FUSE server did not start: {err or 'exited'}")
+            if time.monotonic() - t0 > cfg.mount_timeout:
+                raise MountServerError("FUSE server did not start in time")
+        t3 = time.monotonic()
+        st = os.stat(self.fuse_dir)
+        self._fuse_device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+        self._attach()
+        t4 = time.monotonic()
+        self._mount_seconds = {
+            "index": t1 - t0, "metadata": t2 - t1, "fuse": t3 - t2, "kernel": t4 - t3,
+            "total": t4 - t0,
+        }  # fmt: skip
+        self.control = ControlServer(
+            self.dir / state.CONTROL_SOCKET, {"stats": self._stats, "profile": self._profile}
+        ).start()
+        self._save("ready")
+        log.info(
+            "mounted %s (%s) at %s via %s in %.3fs",
+            self.ref, self.index_digest, self.mountpoint, self._backing, t4 - t0,
+        )  # fmt: skip
+
+    def _attach(self) -> None:
+        image = self.fuse_dir / fuse.IMAGE_NAME
+        backing = self.config.backing
+        if backing in ("auto", "file"):
+            for options in EROFS_FILE_OPTIONS:
+                try:
+                    kernel.sys_mount(str(image), self.mountpoint, "erofs", kernel.MS_RDONLY,
+                                     options)  # fmt: skip
+                    self._backing = "file"
+                    return
+                except kernel.KernelMountError as e:
+                    log.debug("erofs file-backed mount with %r: %s", options, e)
+                    last = e
+            if backing == "file":
+                raise last
+        self._backing, device = kernel.attach_erofs(image, self.mountpoint, "loop")
+        self._loop_device = device or ""
+
+    # --- serve ----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Prefetch in the background and serve until unmounted or asked to stop."""
+        assert self.fetcher is not None and self._fuse_thread is not None
+        prefetch = self.config.prefetch_config()
+        self.prefetcher = Prefetcher.for_mount(self.fetcher, prefetch).start()
+        while self._fuse_thread.is_alive():
+            if self.stop_requested.wait(0.2):
+                log.info("stopping: unmounting %s", self.mountpoint)
+                self.unmount()
+                self._fuse_thread.join(10)
+                break
+        log.info("FUSE file system of %s is gone; exiting", self.mountpoint)
+
+    def unmount(self) -> None:
+        """Take erofs (lazily if busy) and then FUSE off their mount points."""
+        with contextlib.suppress(kernel.KernelMountError):
+            kernel.unmount_path(self.mountpoint)
+        with contextlib.suppress(kernel.KernelMountError):
+            kernel.unmount_fuse(self.fuse_dir)
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requested.set()
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop(1.0)
+        if self._fuse_thread is not None and self._fuse_thread.is_alive():
+            self.unmount()
+            self._fuse_thread.join(10)
+        if self.control is not None:
+            self.control.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.close()
+        if not kernel.is_mountpoint(self.fuse_dir):
+            state.remove_mount_dir(self.dir)
+
+    # --- state and control ----------------------------------------------------------------
+
+    def _save(self, phase: str) -> None:
+        idx = self.index
+        self.record = state.MountRecord(
+            mountpoint=str(self.mountpoint),
+            ref=self.ref,
+            pid=os.getpid(),
+            pid_start=state.process_start(os.getpid()) or 0,
+            phase=phase,
+            started_at=self.started,
+            cache_dir=str(self.config.cache_dir),
+            index_digest=self.index_digest,
+            backing=self._backing,
+            loop_device=self._loop_device,
+            fuse_device=self._fuse_device,
+            image_size=idx.image_size if idx else 0,
+            sector_count=idx.sector_count if idx else 0,
+            metadata_sectors=idx.metadata_sectors if idx else 0,
+        )
+        self.record.save(self.dir)
+
+    def _stats(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.index and self.reader and self.cache and self.operations
+        idx = self.index
+        touched = self.reader.touched_sectors()
+        pf = self.prefetcher
+        return {
+            "mountpoint": str(self.mountpoint),
+            "ref": self.ref,
+            "index_digest": self.index_digest,
+            "pid": os.getpid(),
+            "backing": self._backing,
+            "loop_device": self._loop_device,
+            "uptime": time.time() - self.started,
+            "mount_seconds": self._mount_seconds,
+            "image": {
+                "size": idx.image_size,
+                "sector_size": idx.sector_size,
+                "sectors": idx.sector_count,
+                "stored_sectors": sum(1 for s in idx.sectors if not s.is_zero),
+                "metadata_sectors": idx.metadata_sectors,
+                "blob_size": idx.blob_size,
+            },
+            "fetch": self.metrics.snapshot(),
+            "reads": {
+                "touched_sectors": len(touched),
+                "touched_data_sectors": sum(1 for n in touched if n >= idx.metadata_sectors),
+                "errors": self.operations.read_errors.value,
+            },
+            "prefetch": {
+                "mode": self.config.prefetch_mode.value,
+                "planned": len(pf.sectors) if pf else 0,
+                "fetched": pf.fetched if pf else 0,
+                "running": bool(pf and pf.running),
+            },
+            "cache": {
+                "dir": str(self.config.cache_dir),
+                "max_bytes": self.cache.max_bytes,
+                "known_bytes": self.cache.usage(),
+                **self.cache.metrics.snapshot(),
+            },
+        }
+
+    def _profile(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.reader is not None and self.operations is not None
+        if request.get("sectors"):
+            return {"sectors": self.reader.touched_sectors()}
+        return {"files": self.operations.touched_files()}
+
+
+class MountServerError(SnapshotterError):
+    """The server could not set the mount up."""
+
+
+def run(
+    ref: str,
+    mountpoint: Path,
+    config: MountConfig,
+    ready: Callable[[dict[str, Any]], None],
+) -> int:
+    """Run a mount server in this process until it is unmounted; returns an exit code.
+
+    Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
+    server = MountServer(ref, mountpoint, config)
+    # Installed before libfuse starts, so libfuse leaves these signals to us.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, server.request_stop)
+    try:
+        try:
+            server.start()
+        except BaseException as e:
+            log.error("mount of %s at %s failed: %s: %s", ref, mountpoint, type(e).__name__, e)
+            ready({"ok": False, "type": type(e).__name__, "error": str(e)})
+            return 3
+        assert server.record is not None
+        ready({"ok": True, "record": server.record.__dict__, "seconds": server._mount_seconds})
+        server.serve()
+        return 0
+    finally:
+        server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m snapshotter.mountd --ready-fd N`` with the request as JSON on stdin:
+    ``{"ref": ..., "mountpoint": ..., "config": MountConfig.to_dict(), "log_level": ...}``."""
+    parser = argparse.ArgumentParser(prog="snapshotter-mountd")
+    parser.add_argument("--ready-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    request = json.loads(sys.stdin.read())
+    logging.basicConfig(
+        level=request.get("log_level", logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = MountConfig.from_dict(request["config"])
+    ready_file = os.fdopen(args.ready_fd, "w")
+
+    def ready(doc: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            ready_file.write(json.dumps(doc) + "\n")
+            ready_file.close()
+
+    return run(request["ref"], Path(request["mountpoint"]), config, ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

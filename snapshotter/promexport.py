@@ -1,0 +1,155 @@
+"""Prometheus metrics of every mount on the node, aggregated at scrape time.
+
+Each mount has its own server process, so there is no single process that holds all the
+counters. Instead one exporter (``snapshotter metrics``, the ``lazyblock-metrics`` systemd
+unit) answers each scrape by asking every live mount server for its ``stats`` over its
+control socket and rendering them with a ``mountpoint`` and ``image`` label. Mount servers
+stay free of HTTP listeners and ports, and the exporter holds no state: restarting it loses
+nothing (the counters live in the servers; they restart from zero with a new mount, which
+Prometheus' ``rate`` handles as a counter reset).
+
+Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
+``fetched_bytes_total``, ``store_requests_total``, ``cache_hits_total``,
+``cache_misses_total``, ``cache_hit_ratio``, ``fetch_latency_seconds`` (histogram),
+``errors_total{kind=fetch|store|checksum|read|prefetch}``, ``inflight_fetches``,
+``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``, ``cache_bytes``,
+``cache_entries``, ``cache_capacity_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from snapshotter.cache import cache_usage
+from snapshotter.config import MountConfig
+from snapshotter.errors import SnapshotterError
+
+log = logging.getLogger(__name__)
+
+LABELS = ["mountpoint", "image"]
+
+
+class MountsCollector(Collector):
+    """Collects from every live mount recorded under ``config.state_dir``."""
+
+    def __init__(self, config: MountConfig) -> None:
+        self.config = config
+
+    def collect(self) -> Iterator[Metric]:
+        from snapshotter import mount as api
+
+        all_stats: list[dict[str, Any]] = []
+        for info in api.list_mounts(self.config):
+            if not (info.alive and info.phase == "ready"):
+                continue
+            try:
+                all_stats.append(api.stats(info.mountpoint, self.config, timeout=5.0))
+            except SnapshotterError as e:
+                log.warning("no stats from %s: %s", info.mountpoint, e)
+        yield from render(all_stats, self.config)
+
+
+def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Metric]:
+    p = "lazyblock_"
+    mounts = GaugeMetricFamily(p + "mounts", "Live lazyblock mounts on this node.")
+    mounts.add_metric([], len(all_stats))
+    yield mounts
+
+    def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+        fam = CounterMetricFamily(p + name, doc, labels=LABELS)
+        for s in all_stats:
+            fam.add_metric([s["mountpoint"], s["ref"]], s["fetch"][key])
+        return fam
+
+    yield counter("sectors_fetched", "Sectors fetched from the store and verified.",
+                  "sectors_fetched")  # fmt: skip
+    yield counter("fetched_bytes", "Stored bytes read from the store.", "bytes_fetched")
+    yield counter("store_requests", "Ranged reads sent to the store.", "store_requests")
+    yield counter("cache_hits", "Sectors served from the local cache.", "cache_hits")
+    yield counter("cache_misses", "Sectors that had to come from the store.", "cache_misses")
+    yield counter("read_bytes", "Bytes served to the kernel through FUSE.", "read_bytes")
+    yield counter("prefetched_sectors", "Sectors brought in by the prefetcher.",
+                  "prefetched_sectors")  # fmt: skip
+
+    ratio = GaugeMetricFamily(
+        p + "cache_hit_ratio", "Cache hits / (hits + misses) since mount.", labels=LABELS
+    )
+    inflight = GaugeMetricFamily(p + "inflight_fetches", "Store requests running now.",
+                                 labels=LABELS)  # fmt: skip
+    queued = GaugeMetricFamily(p + "queued_fetches", "Fetches waiting for a worker.",
+                               labels=LABELS)  # fmt: skip
+    errors = CounterMetricFamily(p + "errors", "Errors by kind.", labels=[*LABELS, "kind"])
+    latency = HistogramMetricFamily(
+        p + "fetch_latency_seconds", "Seconds per successful store request.", labels=LABELS
+    )
+    for s in all_stats:
+        labels = [s["mountpoint"], s["ref"]]
+        f = s["fetch"]
+        total = f["cache_hits"] + f["cache_misses"]
+        ratio.add_metric(labels, f["cache_hits"] / total if total else 0.0)
+        inflight.add_metric(labels, f["inflight"])
+        queued.add_metric(labels, f["queued"])
+        for kind, value in (
+            ("fetch", f["fetch_errors"]),
+            ("store", f["store_errors"]),
+            ("checksum", f["checksum_errors"]),
+            ("prefetch", f["prefetch_errors"]),
+            ("read", s["reads"]["errors"]),
+        ):
+            errors.add_metric([*labels, kind], value)
+        h = f["fetch_latency"]
+        buckets = [(_bound(b), c) for b, c in h["buckets"]]
+        latency.add_metric(labels, buckets, sum_value=h["sum"])
+    yield from (ratio, inflight, queued, errors, latency)
+
+    entries, used = cache_usage(config.cache_dir)
+    for name, doc, value in (
+        ("cache_bytes", "Bytes held by the node's sector cache.", used),
+        ("cache_entries", "Sectors held by the node's sector cache.", entries),
+        ("cache_capacity_bytes", "The sector cache's size cap.", config.cache_size),
+    ):
+        g = GaugeMetricFamily(p + name, doc)
+        g.add_metric([], value)
+        yield g
+
+
+def _bound(b: object) -> str:
+    return "+Inf" if b == "+Inf" else repr(float(b))  # type: ignore[arg-type]
+
+
+def registry(config: MountConfig) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(MountsCollector(config))
+    return reg
+
+
+def exposition(config: MountConfig) -> bytes:
+    """The text a scrape would get now."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry(config))
+
+
+def serve_forever(listen: str, config: MountConfig) -> None:
+    """Serve ``/metrics`` on ``listen`` (host:port) until interrupted."""
+    import threading
+
+    from prometheus_client import start_http_server
+
+    host, _, port = listen.rpartition(":")
+    server, thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry(config))
+    log.info("serving Prometheus metrics on http://%s/metrics", listen)
+    try:
+        threading.Event().wait()
+    finally:
+        server.shutdown()

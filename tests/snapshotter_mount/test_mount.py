@@ -1,0 +1,233 @@
+"""Mounting block images from every store through real FUSE and the kernel's erofs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from dataclasses import replace
+
+import mountimages as images
+import pytest
+from itool import imagetool, snapshot
+from mounthelp import drop_caches, snapshotter, with_store_options
+
+from imagetool.image import open_image
+from snapshotter import kernel
+from snapshotter import mount as api
+from snapshotter.promexport import exposition
+
+pytestmark = [pytest.mark.root, pytest.mark.integration]
+
+
+def _cli_args(cfg) -> list[str]:  # noqa: ANN001
+    return ["--state-dir", str(cfg.state_dir), "--cache-dir", str(cfg.cache_dir)]
+
+
+@pytest.mark.parametrize("backing", ["file", "loop"])
+def test_mount_directory_store_matches_the_source_tree(
+    backing, config, umoci_source, umoci_dir_ref, tmp_path
+) -> None:  # noqa: ANN001
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = snapshotter("mount", umoci_dir_ref, str(mnt), "--backing", backing,
+                      "--no-prefetch", *_cli_args(config))  # fmt: skip
+    assert "backing=" + backing in res.stdout
+    assert snapshot(mnt) == snapshot(umoci_source[1])
+
+    status = json.loads(snapshotter("status", "--json", *_cli_args(config)).stdout)
+    (m,) = status["mounts"]
+    assert m["alive"] and m["backing"] == backing and m["ref"] == umoci_dir_ref
+    fetch = m["stats"]["fetch"]
+    assert fetch["sectors_fetched"] > 0 and fetch["fetch_errors"] == 0
+    assert fetch["fetch_latency"]["p50"] is not None
+    assert status["cache"]["entries"] == fetch["sectors_fetched"]
+
+    text = exposition(config).decode()
+    assert f'lazyblock_sectors_fetched_total{{image="{umoci_dir_ref}",mountpoint="{mnt}"}}' in text
+    assert "lazyblock_fetch_latency_seconds_bucket" in text and "lazyblock_cache_bytes" in text
+
+    profile = tmp_path / "profile.txt"
+    snapshotter("profile", str(mnt), "-o", str(profile), *_cli_args(config))
+    paths = [p for p in profile.read_text().splitlines() if not p.startswith("#")]
+    assert "/data/big.bin" in paths and "/etc/hostname" in paths
+
+    snapshotter("umount", str(mnt), *_cli_args(config))
+    assert not kernel.is_mountpoint(mnt)
+    assert api.list_mounts(config) == []
+    assert not list((config.state_dir / "mounts").iterdir())
+    if backing == "loop":
+        assert (
+            str(config.state_dir)
+            not in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+        )
+    # idempotent
+    snapshotter("umount", str(mnt), *_cli_args(config))
+
+
+def test_mount_from_s3(config, umoci_source, s3_bucket, tmp_path) -> None:  # noqa: ANN001
+    ref = f"s3://{s3_bucket}/images/app:v1"
+    images.convert(umoci_source[0], "v1", ref, "--sector-size", "256KiB")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    info = api.mount(ref, mnt, config)
+    assert info.alive and info.phase == "ready"
+    assert snapshot(mnt) == snapshot(umoci_source[1])
+
+
+def test_mount_from_registry(config, umoci_source, registry, tmp_path) -> None:  # noqa: ANN001
+    ref = f"docker://{registry.host}/lazyblock/app-{uuid.uuid4().hex[:8]}:v1"
+    imagetool("--plain-http", "convert", "-q", f"oci:{umoci_source[0]}:v1", ref)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    api.mount(ref, mnt, with_store_options(config, plain_http=True))
+    assert snapshot(mnt) == snapshot(umoci_source[1])
+
+
+def test_ls_of_20000_files_fetches_no_data_sector(config, many_files_ref, tmp_path) -> None:  # noqa: ANN001
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    api.mount(many_files_ref, mnt, config)
+    listing = subprocess.run(["ls", "-lR", str(mnt)], capture_output=True, text=True, check=True)
+    assert listing.stdout.count(".txt\n") == 20_000
+    stats = api.stats(mnt, config)
+    assert stats["reads"]["touched_data_sectors"] == 0
+    metadata = stats["image"]["metadata_sectors"]
+    assert 0 < stats["fetch"]["sectors_fetched"] <= metadata
+    assert stats["image"]["sectors"] > metadata  # there are data sectors to not fetch
+    # and the data is there when asked for
+    assert (mnt / "d007/f12307.txt").read_text() == "file 12307\n" * 40
+
+
+def test_one_small_file_of_a_1gb_image_fetches_only_its_sectors(config, big_ref, tmp_path) -> None:  # noqa: ANN001
+    with open_image(big_ref) as img:
+        index = img.index
+    assert index.image_size >= 1 << 30
+    (target,) = [f for f in index.files if f.path == "/etc/small.conf"]
+    allowed = set(range(index.metadata_sectors)) | set(
+        index.sectors_for_range(target.offset, target.length)
+    )
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    info = api.mount(big_ref, mnt, config)
+    assert (mnt / "etc/small.conf").read_bytes() == b"key = value\n" * 10
+    stats = api.stats(mnt, config)
+    stored_allowed = [n for n in allowed if not index.sectors[n].is_zero]
+    assert stats["fetch"]["sectors_fetched"] <= len(stored_allowed)
+    touched = api.control.request(info.state_dir / "control.sock", "profile", sectors=True)
+    assert set(touched["sectors"]) <= allowed
+    # a big file reads back right, sector by sector
+    part = (mnt / "blobs/part-0100.bin").read_bytes()
+    assert len(part) == 4 << 20 and part[:4096] == part[-4096:]
+
+
+def test_store_going_away_fails_uncached_reads_within_the_deadline(
+    config, tmp_path, umoci_source
+) -> None:  # noqa: ANN001
+    import time
+
+    store = tmp_path / "store"
+    ref = str(store / "app:v1")
+    images.convert(umoci_source[0], "v1", ref, "--sector-size", "64KiB")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cfg = replace(config, fetch=replace(config.fetch, deadline=3.0, request_timeout=1.0))
+    api.mount(ref, mnt, cfg)
+    want = (mnt / "etc/hostname").read_bytes()
+    gone = tmp_path / "store-gone"
+    store.rename(gone)
+    try:
+        drop_caches()
+        assert (mnt / "etc/hostname").read_bytes() == want  # from the sector cache
+        started = time.monotonic()
+        with pytest.raises(OSError) as err:
+            (mnt / "data/big.bin").read_bytes()
+        assert err.value.errno == 5  # EIO
+        assert time.monotonic() - started < 3.0 + 10.0  # the deadline, generously
+    finally:
+        gone.rename(store)
+    data = (mnt / "data/big.bin").read_bytes()
+    assert len(data) == 500_004 and data.endswith(b"tail")
+    stats = api.stats(mnt, cfg)
+    assert stats["reads"]["errors"] >= 1 and stats["fetch"]["fetch_errors"] >= 1
+
+
+def test_store_serving_corrupt_bytes_is_never_served(config, tmp_path, umoci_source) -> None:  # noqa: ANN001
+    store = tmp_path / "store"
+    ref = str(store / "app:v1")
+    images.convert(umoci_source[0], "v1", ref, "--sector-size", "64KiB")
+    with open_image(ref) as img:
+        index = img.index
+    (big,) = [f for f in index.files if f.path == "/data/big.bin"]
+    n = index.sectors_for_range(big.offset + 250_000, 1)[0]  # in its random part
+    assert n >= index.metadata_sectors and not index.sectors[n].is_zero
+    blob = store / "blobs" / "sha256" / index.blob_digest.removeprefix("sha256:")
+    original = blob.read_bytes()
+    at = index.sectors[n].offset + index.sectors[n].length // 2
+    corrupted = bytearray(original)
+    corrupted[at] ^= 0xFF
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    api.mount(ref, mnt, config)
+    os.chmod(blob, 0o644)
+    blob.write_bytes(bytes(corrupted))
+    try:
+        with pytest.raises(OSError) as err:
+            (mnt / "data/big.bin").read_bytes()
+        assert err.value.errno == 5
+        stats = api.stats(mnt, config)
+        assert stats["fetch"]["checksum_errors"] >= 1
+    finally:
+        blob.write_bytes(original)
+    data = (mnt / "data/big.bin").read_bytes()
+    assert data[300_000:500_000] == bytes(200_000) and data.endswith(b"tail")
+
+
+@pytest.mark.parametrize("backing", ["file", "loop"])
+def test_sigkilled_server_is_cleaned_up_and_the_cache_reused(
+    backing, config, umoci_dir_ref, tmp_path
+) -> None:  # noqa: ANN001
+    import signal
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cfg = replace(config, backing=backing)
+    info = api.mount(umoci_dir_ref, mnt, cfg)
+    want = (mnt / "data/big.bin").read_bytes()
+    fetched = api.stats(mnt, cfg)["fetch"]["sectors_fetched"]
+    os.kill(info.pid, signal.SIGKILL)
+    drop_caches()
+    with pytest.raises(OSError):
+        (mnt / "data/big.bin").read_bytes()
+    (m,) = api.list_mounts(cfg)
+    assert not m.alive
+    assert "DEAD" in snapshotter("status", *_cli_args(cfg)).stdout
+
+    snapshotter("umount", str(mnt), *_cli_args(cfg))
+    assert not kernel.is_mountpoint(mnt)
+    assert not kernel.is_mountpoint(m.state_dir / "fuse")
+    assert api.list_mounts(cfg) == []
+    if info.loop_device:
+        assert kernel.loop_backing_file(info.loop_device) in (None, "")
+
+    api.mount(umoci_dir_ref, mnt, cfg)
+    assert (mnt / "data/big.bin").read_bytes() == want
+    stats = api.stats(mnt, cfg)
+    assert stats["fetch"]["sectors_fetched"] == 0  # everything came from the cache
+    assert stats["fetch"]["cache_hits"] >= fetched
+
+
+def test_errors_are_one_line_with_exit_code(config, tmp_path) -> None:  # noqa: ANN001
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = snapshotter("mount", str(tmp_path / "nostore" / "img:v1"), str(mnt),
+                      *_cli_args(config), check=False)  # fmt: skip
+    assert res.returncode == 3
+    assert res.stderr.startswith("snapshotter: error: MountError:") and res.stderr.count("\n") == 1
+    assert not kernel.is_mountpoint(mnt) and api.list_mounts(config) == []
+    res = snapshotter("status", str(mnt), *_cli_args(config))
+    assert "no mounts" in res.stdout
+    res = snapshotter("profile", str(mnt), "-o", str(tmp_path / "p"), *_cli_args(config),
+                      check=False)  # fmt: skip
+    assert res.returncode == 3 and "NotMountedError" in res.stderr
