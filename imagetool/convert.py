@@ -30,6 +30,7 @@ from imagetool.format import (
     check_sector_size,
 )
 from imagetool.pack import iter_sectors, pack
+from imagetool.readahead import ReadAhead
 from imagetool.sources import SourceImage, open_source
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import StoreOptions
@@ -78,23 +79,10 @@ def build_tree(source: SourceImage, sink: SpoolSink | object, progress: Progress
     tree = Tree()
     for n, layer in enumerate(source.layers):
         name = f"{n} ({layer.digest[:19]})"
-        with source.open_layer(layer) as stream:
-            apply_layer(tree, _Counting(stream, progress), sink, name)  # type: ignore[arg-type]
+        on_read = (lambda n: progress("read", n, None)) if progress is not None else None
+        with source.open_layer(layer) as stream, ReadAhead(stream, on_read) as ahead:
+            apply_layer(tree, ahead, sink, name)  # type: ignore[arg-type]
     return tree
-
-
-class _Counting:
-    """Report bytes read from a layer stream to the progress callback."""
-
-    def __init__(self, stream, progress: Progress | None) -> None:  # noqa: ANN001
-        self.stream = stream
-        self.progress = progress
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.stream.read(n)
-        if self.progress is not None and data:
-            self.progress("read", len(data), None)
-        return data
 
 
 def convert(

@@ -12,6 +12,7 @@ from imagetool.erofs import layout as L
 from imagetool.erofs.reader import ErofsReader, Inode
 from imagetool.errors import ChecksumError
 from imagetool.image import BlockImage
+from imagetool.readahead import ReadAhead
 from imagetool.sources import SourceImage
 from imagetool.tree import HashSink, Node, Tree, apply_layer
 
@@ -44,8 +45,8 @@ def source_tree(source: SourceImage) -> Tree:
     tree = Tree()
     sink = HashSink()
     for n, layer in enumerate(source.layers):
-        with source.open_layer(layer) as stream:
-            apply_layer(tree, stream, sink, f"{n} ({layer.digest[:19]})")
+        with source.open_layer(layer) as stream, ReadAhead(stream) as ahead:
+            apply_layer(tree, ahead, sink, f"{n} ({layer.digest[:19]})")  # type: ignore[arg-type]
     return tree
 
 
