@@ -1,0 +1,141 @@
+"""The benchmark's pure parts: READY lines, summaries, targets, the report and image sizing.
+No root; the chart needs matplotlib (a benchmark dependency CI installs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import support
+
+from benchmarks.coldstart import image, run
+
+
+def test_parse_ready():
+    assert run.parse_ready("loading...") is None
+    assert run.parse_ready("") is None
+    f = run.parse_ready("READY torch=2.13.0+cpu read_bytes=123 rchar=456 junk\n")
+    assert f == {"torch": "2.13.0+cpu", "read_bytes": "123", "rchar": "456"}
+    assert run.parse_ready("READY") == {}
+
+
+def test_summarize():
+    assert run.summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert run.summarize([1.0, 2.0])["median"] == 1.5
+
+
+def _scen(median: float, registry: int | None = None, read: int | None = None) -> dict:
+    runs = [{"seconds": median, "registry_bytes": registry, "wire_bytes": registry,
+             "read_bytes": read, "phases_s": {}}]  # fmt: skip
+    return run.summarize_runs(runs, image_bytes=1000)
+
+
+def test_targets_met_and_missed():
+    scen = {
+        "full-pull": _scen(50.0, 900),
+        "lazy-profile": _scen(6.0, 140),
+        "local": _scen(3.0, 0, 100),
+    }
+    t = run.evaluate_targets(scen)
+    assert [x["met"] for x in t] == [True, False, True]
+    assert "8.3x faster" in t[0]["measured"]
+    assert "+3.00s" in t[1]["measured"]
+    assert "1.40x" in t[2]["measured"]
+
+
+def test_targets_not_evaluated_say_why():
+    scen = {
+        "full-pull": _scen(50.0, 900),
+        "local": _scen(3.0, 0, 100),
+        "lazy-profile": {"status": "not-run", "reason": "snapshotter.mount is not there"},
+    }
+    t = run.evaluate_targets(scen)
+    assert [x["met"] for x in t] == [None, None, None]
+    assert "snapshotter.mount is not there" in t[0]["measured"]
+
+
+def _results() -> dict:
+    return {
+        "image": {
+            "tag": "tiny-8m",
+            "compressed_bytes": 9_000_000,
+            "rootfs_bytes": 10_000_000,
+            "weights_bytes": 8_000_000,
+            "layers": 2,
+            "kind": "tiny",
+        },  # fmt: skip
+        "runs": 1,
+        "presets": {
+            "1g-1ms": {
+                "preset": {"name": "1g-1ms", "rate_mbit": 1000.0, "rtt_ms": 1.0},
+                "measured_rtt_ms": 1.4,
+                "scenarios": {
+                    "full-pull": _scen(5.0, 9_000_000, 0),
+                    "lazy": {"status": "not-run", "reason": "no snapshotter"},
+                    "local": _scen(1.0, 0, 10_000_000),
+                },
+                "targets": [{"target": "x", "met": False, "measured": "because"}],
+                "notes": ["a note"],
+            }
+        },
+    }
+
+
+def test_markdown_table():
+    md = run.markdown_table(_results())
+    assert "### 1g-1ms: 1000 Mbit/s, 1 ms RTT (measured TCP connect 1.40 ms)" in md
+    assert "| full-pull | 5.00 s | 5.00 s | 5.00 s | 9.0 MB | 0.0 MB |" in md
+    assert "| lazy | not run: no snapshotter |" in md
+    assert "| x | **no** | because |" in md
+    assert "- a note" in md
+
+
+def test_write_results(tmp_path):
+    support.require(importlib.util.find_spec("matplotlib") is not None, "needs matplotlib")
+    run.write_results(_results(), tmp_path)
+    assert json.loads((tmp_path / "latest.json").read_text())["runs"] == 1
+    assert (tmp_path / "latest.md").read_text().startswith("Image `tiny-8m`")
+    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sizes():
+    assert image.parse_size("512MiB") == 512 << 20
+    assert image.parse_size("6G") == 6 << 30
+    assert image.parse_size("1.5GiB") == 3 << 29
+    assert image.parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        image.parse_size("lots")
+    assert image.size_label(512 << 20) == "512m"
+    assert image.size_label(6 << 30) == "6g"
+    assert image.size_label(1000) == "1000"
+
+
+def test_shard_sizes():
+    row = image.ROW * 2
+    assert image.shard_sizes(512 << 20) == [512 << 20]
+    sizes = image.shard_sizes((5 << 30) + (3 << 20) + 5)
+    assert sizes[:5] == [1 << 30] * 5 and sizes[5] == 3 << 20
+    assert all(s % row == 0 for s in sizes)
+    with pytest.raises(ValueError):
+        image.shard_sizes(row - 1)
+
+
+def test_weights_are_deterministic_npy(tmp_path):
+    import numpy as np
+
+    a = image.write_weights(tmp_path / "a", 3 * image.ROW * 2)
+    b = image.write_weights(tmp_path / "b", 3 * image.ROW * 2)
+    assert a[0].read_bytes() == b[0].read_bytes()
+    arr = np.load(a[0])
+    assert arr.dtype == np.float16 and arr.shape == (3, image.ROW)
+    assert 0.01 < float(arr.astype(np.float32).std()) < 0.03
+
+
+def test_with_latest_replaces_only_between_the_markers():
+    readme = f"# T\n\n## Latest\n\n{run.README_BEGIN}\nold\n{run.README_END}\n\nafter\n"
+    out = run.with_latest(readme, "| new |")
+    assert "old" not in out and "| new |" in out and out.endswith("after\n")
+    assert run.with_latest(out, "| newer |").count(run.README_BEGIN) == 1
+    with pytest.raises(run.BenchError):
+        run.with_latest("no markers", "x")
