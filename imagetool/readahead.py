@@ -8,6 +8,7 @@ so memory stays flat whatever the layer size.
 
 from __future__ import annotations
 
+import io
 import queue
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ class ReadAhead:
         self._stop = threading.Event()
         self._buf = memoryview(b"")
         self._eof = False
+        self._pos = 0
         self._thread = threading.Thread(target=self._produce, name="readahead", daemon=True)
         self._thread.start()
 
@@ -71,11 +73,38 @@ class ReadAhead:
                 if not chunk:
                     return b"".join(parts)
                 parts.append(chunk)
-        while not self._buf and not self._eof:
-            self._next()
-        out = bytes(self._buf[:n])
-        self._buf = self._buf[n:]
+        # Exactly n bytes unless the stream ends: tarfile reads headers with plain read(512)
+        # calls and takes a short one for the end of the archive.
+        parts = []
+        want = n
+        while want > 0:
+            while not self._buf and not self._eof:
+                self._next()
+            if not self._buf:
+                break
+            piece = self._buf[:want]
+            self._buf = self._buf[len(piece) :]
+            parts.append(piece)
+            want -= len(piece)
+        out = b"".join(parts)
+        self._pos += len(out)
         return out
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Forward only (by reading and dropping): enough for tarfile's sequential reads."""
+        target = offset if whence == io.SEEK_SET else self._pos + offset
+        if whence not in (io.SEEK_SET, io.SEEK_CUR) or target < self._pos:
+            raise io.UnsupportedOperation("ReadAhead can only seek forward")
+        while self._pos < target:
+            if not self.read(min(CHUNK, target - self._pos)):
+                break
+        return self._pos
 
     def close(self) -> None:
         self._stop.set()

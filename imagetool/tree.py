@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 COPY_CHUNK = 1 << 20
-# tarfile's stream mode reads in bufsize pieces; its 10 KiB default costs a Python call per
-# 10 KiB of layer.
-TAR_BUFSIZE = 1 << 20
 # Parent directories that a layer implies but does not list get these (as docker does).
 IMPLICIT_DIR_MODE = 0o755
 
@@ -295,9 +292,16 @@ def apply_layer(tree: Tree, stream: BinaryIO, sink: ContentSink, layer_name: str
     """Apply one uncompressed layer tar stream to ``tree``; reads ``stream`` to its end."""
     applier = _LayerApplier(tree, sink, layer_name)
     try:
-        with tarfile.open(fileobj=stream, mode="r|", errorlevel=2, bufsize=TAR_BUFSIZE) as tar:
+        # "r:" reads headers and data straight from the stream, which only ever moves forward
+        # (ReadAhead seeks forward by reading); "r|" would copy its buffer on every header.
+        with tarfile.open(fileobj=stream, mode="r:", errorlevel=2) as tar:
             for member in tar:
                 applier.apply(member, tar)
+                tar.members.clear()  # TarFile keeps every member otherwise
+            # tarfile ends quietly on a missing or short header; a real end of archive is a
+            # whole zero block, which it has just read.
+            if stream.tell() < tar.offset + tarfile.BLOCKSIZE:
+                raise InvalidSourceError(f"layer {layer_name}: truncated tar (no end marker)")
         # Read the rest (tar padding) so the source can check digests at end of stream.
         while stream.read(COPY_CHUNK):
             pass

@@ -115,3 +115,25 @@ def test_truncated_tar_is_an_error():
     data = make_tar([TarEntry("big", data=b"x" * 100000)])
     with pytest.raises(InvalidSourceError):
         apply_layer(Tree(), io.BytesIO(data[:20000]), HashSink(), "layer0")
+
+
+def test_tar_cut_at_a_header_boundary_is_an_error():
+    # tarfile itself ends quietly when a header is missing; a layer must end with a zero block.
+    data = make_tar([TarEntry("a", data=b"x" * 512), TarEntry("b", data=b"y")])
+    with pytest.raises(InvalidSourceError, match="truncated"):
+        apply_layer(Tree(), io.BytesIO(data[:1024]), HashSink(), "layer0")
+
+
+def test_many_entries_through_read_ahead():
+    """Headers straddling the read-ahead's chunk boundaries must not end the layer early."""
+    from imagetool.readahead import ReadAhead
+
+    class Trickle(io.BytesIO):
+        def read(self, n=-1):  # noqa: ANN001, ANN202 - odd-sized reads, like a decompressor
+            return super().read(min(n, 1000) if n and n > 0 else 1000)
+
+    entries = [TarEntry(f"d/f{i:05d}", data=b"z" * (i % 700)) for i in range(5000)]
+    tree = Tree()
+    with ReadAhead(Trickle(make_tar(entries))) as ahead:
+        apply_layer(tree, ahead, HashSink(), "layer0")  # type: ignore[arg-type]
+    assert len(tree.lookup("/d").children) == 5000
