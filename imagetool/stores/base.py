@@ -39,8 +39,14 @@ class Store(ABC):
 
     # --- blobs ----------------------------------------------------------------------------
 
-    @abstractmethod
-    def has_blob(self, digest: str) -> bool: ...
+    def has_blob(self, digest: str) -> bool:
+        from imagetool.errors import NotFoundError
+
+        try:
+            self.blob_size(digest)
+        except NotFoundError:
+            return False
+        return True
 
     @abstractmethod
     def blob_size(self, digest: str) -> int:

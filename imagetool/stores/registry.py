@@ -61,9 +61,6 @@ class RegistryStore(Store):
 
     # --- blobs ----------------------------------------------------------------------------
 
-    def has_blob(self, digest: str) -> bool:
-        return self.client.has_blob(digest)
-
     def blob_size(self, digest: str) -> int:
         return self.client.blob_size(digest)
 

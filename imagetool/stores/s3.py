@@ -93,13 +93,6 @@ class S3Store(Store):
 
     # --- blobs ----------------------------------------------------------------------------
 
-    def has_blob(self, digest: str) -> bool:
-        try:
-            self.blob_size(digest)
-        except NotFoundError:
-            return False
-        return True
-
     def blob_size(self, digest: str) -> int:
         key = self._blob_key(digest)
         head = _call(
