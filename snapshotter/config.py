@@ -51,7 +51,7 @@ class MountConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     """Node-wide sector cache, shared by every mount (content-addressed)."""
     cache_size: int = DEFAULT_CACHE_SIZE
-    """Cap on the cache's bytes (stored, compressed sectors); LRU beyond it."""
+    """Cap on the cache's bytes (decoded sectors, as it holds them); LRU beyond it."""
     state_dir: Path = DEFAULT_STATE_DIR
     """Where mount records, control sockets, FUSE directories and server logs live."""
     prefetch: bool = True
@@ -64,13 +64,21 @@ class MountConfig:
     prefetch_max_cache_fraction: float = 0.5
     backing: str = "auto"
     """How the kernel's erofs reads the FUSE file: ``file`` (erofs file-backed mount, kernel
-    >= 6.12), ``loop`` (read-only loop device, direct I/O) or ``auto`` (file, else loop)."""
+    >= 6.12), ``loop`` (read-only loop device, direct I/O) or ``auto``: loop, else file, when
+    ``kernel_read_ahead_kb`` is above the kernel's 128 KiB (a file-backed mount cannot use
+    more), otherwise file, else loop."""
     mount_timeout: float = 60.0
     """Seconds ``mount`` waits for the server to be ready (index, metadata, kernel mount)."""
     memory_sectors: int = 16
     """Decoded sectors each mount keeps in memory (64 MiB at 4 MiB sectors)."""
     read_timeout: float | None = None
     """Seconds one FUSE read may take before it fails with EIO (default: fetch.deadline)."""
+    readahead_bytes: int = 128 << 20
+    """Image bytes fetched ahead of a sequential reader (``snapshotter.reader``); 0: none."""
+    kernel_read_ahead_kb: int = 4096
+    """Read-ahead of the erofs mount, in KiB: how much the kernel asks the FUSE file for at
+    once when a file is read sequentially (FUSE splits it into 1 MiB requests); 0 leaves
+    the kernel's default (128 KiB)."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
     store: StoreOptions = field(default_factory=StoreOptions)
 
@@ -79,6 +87,8 @@ class MountConfig:
             raise ConfigError(f"mount.backing must be one of {', '.join(BACKINGS)}")
         if self.cache_size <= 0 or self.mount_timeout <= 0 or self.memory_sectors < 0:
             raise ConfigError("cache size and mount timeout must be positive")
+        if self.readahead_bytes < 0 or self.kernel_read_ahead_kb < 0:
+            raise ConfigError("read-ahead sizes must not be negative")
 
     @property
     def prefetch_mode(self) -> PrefetchMode:
@@ -192,6 +202,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "mount.timeout": (_float, "m.mount_timeout"),
     "mount.memory_sectors": (_int, "m.memory_sectors"),
     "mount.read_timeout": (_opt_float, "m.read_timeout"),
+    "mount.readahead": (parse_size, "m.readahead_bytes"),
+    "mount.kernel_read_ahead_kb": (_int, "m.kernel_read_ahead_kb"),
     "prefetch.enabled": (_bool, "m.prefetch"),
     "prefetch.background_fetch": (_bool, "m.background_fetch"),
     "prefetch.bandwidth": (_opt_size, "m.prefetch_bandwidth"),

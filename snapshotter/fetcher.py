@@ -15,6 +15,10 @@ store:
   ``max_parallel`` worker threads; on-demand jobs always go before prefetch jobs, a prefetch
   job is promoted when an on-demand reader starts waiting on it, and prefetch work never
   holds more than ``max_parallel_prefetch`` workers.
+* **Read-ahead.** ``readahead(numbers)`` starts fetches without waiting for them (for a
+  sequential reader, ``snapshotter.reader``): they queue behind on-demand reads and ahead of
+  prefetch, are promoted when a reader starts waiting on them, and ``cancel_readahead``
+  drops those nobody waits on yet. Sectors already cached are only hinted to the kernel.
 * **Verification.** Every stored sector goes through ``Index.decode_sector`` before it is
   cached or returned; a sector that fails is refetched (counting against ``retries``) and
   never served or cached.
@@ -36,6 +40,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -51,10 +56,14 @@ from imagetool.format import Index, blob_range, coalesce
 from imagetool.stores.base import Store
 from snapshotter.cache import SectorCache
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
-from snapshotter.metrics import MountMetrics
+from snapshotter.metrics import Counter, MountMetrics
 
 log = logging.getLogger(__name__)
 
+# Largest read-ahead request, in blob bytes: read-ahead is split into requests this small so
+# that several run in parallel (one sequential reader then gets the store's parallel
+# throughput) and the nearest one lands soon.
+READAHEAD_REQUEST_BYTES = 4 << 20
 # Store errors that another attempt cannot fix.
 _PERMANENT = (NotFoundError, AuthError)
 
@@ -63,7 +72,8 @@ class Priority(IntEnum):
     """Queue order of fetch jobs: lower goes first."""
 
     DEMAND = 0  # a reader (the FUSE file) is waiting
-    PREFETCH = 1  # background warming
+    READAHEAD = 1  # ahead of a sequential reader, who will want it soon
+    PREFETCH = 2  # background warming
 
 
 @dataclass(frozen=True)
@@ -117,13 +127,14 @@ class FetchConfig:
 class _Job:
     """One coalesced ranged read: consecutive stored sectors of the blob."""
 
-    __slots__ = ("sectors", "priority", "deadline", "taken")
+    __slots__ = ("sectors", "priority", "deadline", "taken", "unwanted")
 
     def __init__(self, sectors: list[int], priority: Priority, deadline: float) -> None:
         self.sectors = sectors
         self.priority = priority
         self.deadline = deadline  # the latest deadline of anyone waiting on it
         self.taken = False
+        self.unwanted = priority == Priority.READAHEAD  # nobody waits on it (yet)
 
 
 class _Flight:
@@ -161,6 +172,9 @@ class SectorFetcher:
         self._inflight: dict[str, _Flight] = {}  # by checksum: one fetch per content
         self._running_prefetch = 0
         self._stuck = 0
+        self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
+        self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
+        self._warmer_running = False
         self._closed = threading.Event()
         self._workers = [
             threading.Thread(target=self._worker, name=f"lazyblock-fetch-{i}", daemon=True)
@@ -205,6 +219,84 @@ class SectorFetcher:
                 and sectors[n].checksum not in self._inflight
                 and sectors[n].checksum not in self.cache
             ]
+
+    def read_cached(self, n: int, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset+length)`` of sector ``n`` if the cache holds it (verified,
+        see ``SectorCache.read``), else None. Costs no request."""
+        entry = self.index.sectors[n]
+        if entry.is_zero:
+            return None
+        data = self.cache.read(entry.checksum, offset, length, self.index.sector_span(n)[1])
+        if data is not None:
+            self.metrics.cache_hits.inc()
+        return data
+
+    def readahead(self, numbers: Iterable[int], deadline: float | None = None) -> int:
+        """Start fetching those of ``numbers`` that are neither cached nor in flight, without
+        waiting; for cached ones, have the kernel start reading them from disk. Returns how
+        many sectors it queued."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.deadline
+        sectors = self.index.sectors
+        new: dict[str, int] = {}
+        cached: list[str] = []
+        with self._work:
+            if self._closed.is_set():
+                return 0
+            for n in numbers:
+                checksum = sectors[n].checksum
+                if sectors[n].is_zero or checksum in self._inflight or checksum in new:
+                    continue
+                if checksum in self.cache:
+                    cached.append(checksum)
+                    continue
+                new[checksum] = n
+            for run in self._plan(sorted(new.values()), READAHEAD_REQUEST_BYTES):
+                job = _Job(run, Priority.READAHEAD, deadline)
+                for n in run:
+                    self._inflight[sectors[n].checksum] = _Flight(job)
+                self._push(job)
+        if cached:
+            with self._lock:
+                self._warming.extend(c for c in cached if c not in self._warming)
+                start = not self._warmer_running and not self._closed.is_set()
+                self._warmer_running = self._warmer_running or start
+            if start:
+                threading.Thread(target=self._warm, name="lazyblock-warm", daemon=True).start()
+        self.readahead_sectors.inc(len(new))
+        return len(new)
+
+    def _warm(self) -> None:
+        """Get cached sectors read ahead ready: verified, or on their way from disk."""
+        while True:
+            with self._lock:
+                if not self._warming or self._closed.is_set():
+                    self._warmer_running = False
+                    return
+                checksum = self._warming.popleft()
+            try:
+                self.cache.will_need(checksum)
+            except Exception:  # an optimisation; the read itself will say what is wrong
+                log.debug("warming cache entry %s failed", checksum, exc_info=True)
+
+    def cancel_readahead(self, numbers: Iterable[int]) -> int:
+        """Drop the queued read-ahead fetches of ``numbers`` that nobody waits on; returns
+        how many sectors were dropped."""
+        sectors = self.index.sectors
+        dropped: list[_Flight] = []
+        with self._work:
+            for n in numbers:
+                flight = self._inflight.get(sectors[n].checksum)
+                if flight is None or flight.job.taken or not flight.job.unwanted:
+                    continue
+                job = flight.job
+                job.taken = True  # the worker skips it
+                self.metrics.queued.dec()
+                for m in job.sectors:
+                    if (f := self._pop_flight(m)) is not None:
+                        dropped.append(f)
+        self._settle(dropped, ClosedError("read-ahead cancelled"))
+        return len(dropped)
 
     def close(self) -> None:
         """Stop the workers; queued and in-flight reads fail with ``ClosedError``."""
@@ -303,18 +395,19 @@ class SectorFetcher:
         return from_cache, waits
 
     def _from_cache(self, n: int) -> bytes | None:
-        checksum = self.index.sectors[n].checksum
-        data = self.cache.get_decoded(checksum)
+        # The size is checked too: the same checksum with another length is not this sector.
+        data = self.cache.read(
+            self.index.sectors[n].checksum, 0, None, self.index.sector_span(n)[1]
+        )
         if data is None:
-            return None
-        if len(data) != self.index.sector_span(n)[1]:  # same checksum, other length: no
-            self.cache.discard(checksum)
             return None
         self.metrics.cache_hits.inc()
         return data
 
-    def _plan(self, numbers: list[int]) -> list[list[int]]:
-        """Coalesce stored sectors into blob-contiguous runs of at most max_request_bytes."""
+    def _plan(self, numbers: list[int], most: int | None = None) -> list[list[int]]:
+        """Coalesce stored sectors into blob-contiguous runs of at most ``most`` bytes
+        (default ``max_request_bytes``)."""
+        most = min(most or self.config.max_request_bytes, self.config.max_request_bytes)
         sectors = self.index.sectors
         runs: list[list[int]] = []
         for run in coalesce(numbers):
@@ -323,8 +416,7 @@ class SectorFetcher:
                     runs
                     # only all-zero sectors (absent from the blob) in between
                     and all(sectors[z].is_zero for z in range(runs[-1][-1] + 1, n))
-                    and blob_range(self.index, range(runs[-1][0], n + 1))[1]
-                    <= self.config.max_request_bytes
+                    and blob_range(self.index, range(runs[-1][0], n + 1))[1] <= most
                 ):
                     runs[-1].append(n)
                 else:
@@ -335,6 +427,7 @@ class SectorFetcher:
         """A reader starts waiting on ``job``: it runs until the latest deadline and at the
         most urgent priority of its readers. Lock held."""
         job.deadline = max(job.deadline, deadline)
+        job.unwanted = False
         if priority < job.priority and not job.taken:
             job.priority = priority
             heapq.heappush(self._queue, (job.priority, next(self._seq), job))
@@ -424,7 +517,7 @@ class SectorFetcher:
                     bad.append(n)
                     continue
                 self.metrics.sectors_fetched.inc()
-                self._cache_put(entry.checksum, stored)
+                self._cache_put(entry.checksum, decoded)
                 self._complete(n, decoded)
             if not bad:
                 return
@@ -495,9 +588,9 @@ class SectorFetcher:
         self.metrics.bytes_fetched.inc(length)
         return bytes(data)
 
-    def _cache_put(self, checksum: str, stored: bytes) -> None:
+    def _cache_put(self, checksum: str, data: bytes) -> None:
         try:
-            self.cache.put(checksum, stored)
+            self.cache.put(checksum, data)
         except Exception:  # caching is best effort; the read goes on
             log.exception("sector cache put failed")
 

@@ -94,7 +94,8 @@ class PrefetchConfig:
     """Consecutive failed batches after which the prefetcher gives up."""
 
     max_cache_fraction: float = 0.5
-    """Stop after fetching this fraction of the cache's capacity (stored bytes)."""
+    """Stop after fetching this fraction of the cache's capacity (decoded bytes, as the
+    cache holds them)."""
 
     def __post_init__(self) -> None:
         if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
@@ -181,11 +182,13 @@ class Prefetcher:
             batch = fetcher.missing(self.sectors[i : i + cfg.batch_sectors])
             if not batch:
                 continue
-            cost = sum(index.sectors[n].length for n in batch)
+            # The cache holds sectors decoded; the link carries them compressed.
+            cost = sum(index.sector_span(n)[1] for n in batch)
             if spent + cost > budget:
                 log.info("prefetch: stopping at %d bytes, the cache's share for it", spent)
                 break
-            if self._bucket is not None and self._stop.wait(self._bucket.take(cost)):
+            wire = sum(index.sectors[n].length for n in batch)
+            if self._bucket is not None and self._stop.wait(self._bucket.take(wire)):
                 break
             try:
                 fetcher.get(batch, time.monotonic() + cfg.batch_timeout, Priority.PREFETCH)

@@ -1,9 +1,25 @@
 """Byte-range reads over a block image's uncompressed filesystem image.
 
 ``BlockReader.read(offset, length)`` is what the FUSE file's read callback calls. It maps the
-range to sectors, takes decoded sectors from a small in-memory LRU (the kernel reads a file
-in 128 KiB pieces, so one 4 MiB sector serves ~32 reads: it is decoded once, not 32 times),
-asks the fetcher for the rest in one call (so adjacent misses are coalesced), and slices.
+range to sectors and serves each piece from, in order:
+
+1. a small in-memory LRU of decoded sectors that were just fetched from the store (or are
+   all zeros), so the reads that follow a fetch do not even go to the disk cache;
+2. the node's sector cache, which keeps sectors decoded: a read is a ``pread`` of the bytes
+   asked for, checked block by block (``SectorCache.read``);
+3. the fetcher, asked for all the remaining sectors in one call (so adjacent misses are
+   coalesced into one ranged read).
+
+Sequential read-ahead. The kernel reads a big file a window at a time, and a 4 MiB sector
+fetched only when the first read of it arrives costs a whole store round trip, with nothing
+else in flight. So the reader watches for sequential streams — a few at once, since several
+files may be streamed in parallel and the kernel's requests within a window arrive in any
+order — and once a stream has read ``STREAM_MIN_SECTORS`` sectors' worth of bytes in a row, it
+keeps the next ``readahead_bytes`` of the image in flight ahead of it
+(``SectorFetcher.readahead``: queued behind on-demand reads, promoted when a read wants
+them). A stream that goes quiet (pushed out by ``MAX_STREAMS`` newer ones, as random reads
+do) has its read-ahead that has not started yet cancelled. Random reads never build up a
+stream, so they never trigger read-ahead.
 
 It also keeps an access log: the sectors touched, in first-access order. Right after a
 container starts, that log is its startup profile; ``touched_files()`` maps it to file paths
@@ -23,6 +39,28 @@ from snapshotter.fetcher import SectorFetcher
 # Decoded sectors kept in memory per reader: 8 x 4 MiB = 32 MiB, enough for a few readers
 # streaming different files at once without thrashing.
 DEFAULT_MEMORY_SECTORS = 8
+# Image bytes kept in flight ahead of a sequential reader: 32 sectors of 4 MiB, enough to
+# keep all the fetcher's workers busy (so a single reader gets the store's parallel
+# throughput), and a bounded waste when the reader stops early.
+DEFAULT_READAHEAD_BYTES = 128 << 20
+# Streams tracked at once: a few files read in parallel. Random reads push streams out.
+MAX_STREAMS = 8
+# A read continues a stream if it starts within this distance of where the stream got to:
+# the kernel's read-ahead window arrives as several requests served in any order.
+STREAM_SLACK = 16 << 20
+# Bytes a stream must have read before read-ahead starts, in sectors: random reads that
+# happen to land near one another never get there.
+STREAM_MIN_SECTORS = 2
+
+
+class _Stream:
+    __slots__ = ("end", "seen", "ahead_from", "ahead_to")
+
+    def __init__(self, end: int, seen: int) -> None:
+        self.end = end  # the furthest byte read
+        self.seen = seen  # bytes read in this stream
+        self.ahead_from = 0  # sectors [ahead_from, ahead_to) were asked ahead
+        self.ahead_to = 0
 
 
 class BlockReader:
@@ -34,18 +72,25 @@ class BlockReader:
         fetcher: SectorFetcher,
         memory_sectors: int = DEFAULT_MEMORY_SECTORS,
         timeout: float | None = None,
+        readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
+        stream_slack: int = STREAM_SLACK,
     ) -> None:
-        """``timeout``: seconds one read may take (default: the fetcher's deadline)."""
-        if memory_sectors < 0:
-            raise ValueError("memory_sectors must not be negative")
+        """``timeout``: seconds one read may take (default: the fetcher's deadline);
+        ``readahead_bytes``: image bytes fetched ahead of a sequential reader (0: none);
+        ``stream_slack``: how far from a stream's end a read may start and continue it."""
+        if memory_sectors < 0 or readahead_bytes < 0:
+            raise ValueError("memory_sectors and readahead_bytes must not be negative")
         self.index = index
         self.fetcher = fetcher
         self.memory_sectors = memory_sectors
         self.timeout = timeout
+        self.readahead_sectors = readahead_bytes // index.sector_size
+        self.stream_slack = stream_slack
         self.metrics = fetcher.metrics
         self._lock = threading.Lock()
         self._memory: OrderedDict[int, bytes] = OrderedDict()  # LRU first
         self._touched: dict[int, None] = {}  # insertion-ordered set
+        self._streams: list[_Stream] = []  # most recently used last
 
     @property
     def size(self) -> int:
@@ -58,32 +103,49 @@ class BlockReader:
         """
         if offset < 0 or length < 0:
             raise InvalidReadError(f"invalid read: offset {offset}, length {length}")
-        numbers = self.index.sectors_for_range(offset, length)
+        index = self.index
+        numbers = index.sectors_for_range(offset, length)
         self.metrics.reads.inc()
         if not numbers:
             return b""
-        sectors: dict[int, bytes] = {}
+        end = min(offset + length, index.image_size)
+        if self.readahead_sectors:
+            self._follow(offset, end)
+        spans = {}
+        for n in numbers:
+            start, size = index.sector_span(n)
+            spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
+        pieces: dict[int, bytes | memoryview] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
                 data = self._memory.get(n)
                 if data is not None:
                     self._memory.move_to_end(n)
-                    sectors[n] = data
-        self.metrics.memory_hits.inc(len(sectors))
-        wanted = [n for n in numbers if n not in sectors]
+                    _, lo, hi = spans[n]
+                    pieces[n] = memoryview(data)[lo:hi]
+        self.metrics.memory_hits.inc(len(pieces))
+        wanted = []
+        for n in numbers:
+            if n in pieces:
+                continue
+            _, lo, hi = spans[n]
+            data = self.fetcher.read_cached(n, lo, hi - lo)
+            if data is None:
+                wanted.append(n)
+            else:
+                pieces[n] = data
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             fetched = self.fetcher.get(wanted, deadline)
-            sectors.update(fetched)
             self._remember(fetched)
-        end = min(offset + length, self.index.image_size)
-        pieces = []
-        for n in numbers:
-            start, size = self.index.sector_span(n)
-            lo, hi = max(offset, start) - start, min(end, start + size) - start
-            pieces.append(memoryview(sectors[n])[lo:hi])
-        out = b"".join(pieces)
+            for n, data in fetched.items():
+                _, lo, hi = spans[n]
+                pieces[n] = memoryview(data)[lo:hi]
+        if len(numbers) == 1:
+            out = bytes(pieces[numbers[0]])
+        else:
+            out = b"".join(pieces[n] for n in numbers)
         self.metrics.read_bytes.inc(len(out))
         return out
 
@@ -116,3 +178,38 @@ class BlockReader:
                 self._memory.move_to_end(n)
             while len(self._memory) > self.memory_sectors:
                 self._memory.popitem(last=False)
+
+    # --- sequential read-ahead ------------------------------------------------------------
+
+    def _follow(self, offset: int, end: int) -> None:
+        """Account the read [offset, end) to a stream; keep read-ahead going for streams
+        that are sequential."""
+        sector_size = self.index.sector_size
+        ahead: tuple[int, int] | None = None
+        dropped: list[_Stream] = []
+        with self._lock:
+            for i, stream in enumerate(self._streams):
+                if stream.end - self.stream_slack <= offset <= stream.end + self.stream_slack:
+                    del self._streams[i]
+                    break
+            else:
+                stream = _Stream(end, 0)
+                if len(self._streams) >= MAX_STREAMS:
+                    dropped.append(self._streams.pop(0))
+            self._streams.append(stream)
+            stream.seen += end - offset
+            stream.end = max(stream.end, end)
+            if stream.seen >= STREAM_MIN_SECTORS * sector_size:
+                first = (stream.end - 1) // sector_size + 1
+                last = min(self.index.sector_count, first + self.readahead_sectors)
+                # Ask again once a quarter of the window has been consumed, for whole runs.
+                if last - stream.ahead_to >= max(1, self.readahead_sectors // 4):
+                    ahead = (max(first, stream.ahead_to), last)
+                    if stream.ahead_to < first:
+                        stream.ahead_from = first
+                    stream.ahead_to = last
+        for old in dropped:
+            if old.ahead_to > old.ahead_from:
+                self.fetcher.cancel_readahead(range(old.ahead_from, old.ahead_to))
+        if ahead is not None and ahead[1] > ahead[0]:
+            self.fetcher.readahead(range(*ahead))

@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-from datapath_support import SECTOR, Image
+from datapath_support import SECTOR, Image, wait_until
 
 from snapshotter.errors import FetchError, InvalidReadError
-from snapshotter.fetcher import SectorFetcher
+from snapshotter.fetcher import FetchConfig, SectorFetcher
 from snapshotter.reader import BlockReader
 
 MakeFetcher = Callable[..., SectorFetcher]
@@ -116,3 +116,63 @@ def test_store_failure_is_a_fetch_error(image: Image, store, make_fetcher: MakeF
     assert info.value.errno == 5  # EIO at the FUSE layer
     store.mode = "ok"
     assert reader.read(2 * SECTOR, 10) == image.data[2 * SECTOR : 2 * SECTOR + 10]
+
+
+def test_a_sequential_reader_gets_sectors_fetched_ahead(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=2, readahead_bytes=8 * SECTOR)
+    chunk = 16 << 10
+    for offset in range(0, 3 * SECTOR, chunk):  # two sectors' worth makes it a stream
+        assert reader.read(offset, chunk) == image.data[offset : offset + chunk]
+    # the next sectors are fetched before anybody asks for them (zero ones never are)
+    ahead = [n for n in range(3, 10) if not image.index.sectors[n].is_zero]
+    wait_until(lambda: all(image.index.sectors[n].checksum in fetcher.cache for n in ahead))
+    assert fetcher.readahead_sectors.value >= len(ahead)
+    hits = fetcher.metrics.cache_hits.value
+    for offset in range(3 * SECTOR, 10 * SECTOR, chunk):
+        assert reader.read(offset, chunk) == image.data[offset : offset + chunk]
+    # served from the cache: the reader never waited for the store
+    assert fetcher.metrics.cache_hits.value - hits >= len(ahead) * SECTOR // chunk
+    counts = store.fetch_counts(image)
+    assert all(c == 1 for c in counts.values()), counts  # nothing fetched twice
+
+
+def test_random_reads_do_not_read_ahead(image: Image, store, make_fetcher: MakeFetcher) -> None:
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, readahead_bytes=8 * SECTOR, stream_slack=SECTOR // 4)
+    rng = random.Random(3)
+    for _ in range(100):
+        offset = rng.randrange(image.index.image_size - 4096)
+        assert reader.read(offset, 4096) == image.data[offset : offset + 4096]
+    assert fetcher.readahead_sectors.value == 0
+
+
+def test_read_ahead_nobody_waits_for_is_cancelled(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher(FetchConfig(max_parallel=1, max_parallel_prefetch=1, deadline=5.0))
+    store.hang()
+    assert fetcher.readahead([1]) == 1  # taken by the only worker, which now hangs
+    wait_until(lambda: store.hanging == 1)
+    assert fetcher.readahead([3, 4, 7]) == 3  # queued behind it
+    assert fetcher.readahead([3]) == 0  # already on its way
+    assert fetcher.cancel_readahead([3, 4, 7]) == 3
+    assert fetcher.cancel_readahead([1]) == 0  # running: cannot be taken back
+    store.release()
+    wait_until(lambda: image.index.sectors[1].checksum in fetcher.cache)
+    assert fetcher.get([3]) == {3: image.sector(3)}  # a cancelled sector is simply fetched
+    assert image.index.sectors[7].checksum not in fetcher.cache
+    # a reader waiting on a read-ahead fetch keeps it from being cancelled
+    store.hang()
+    fetcher.readahead([8])
+    wait_until(lambda: store.hanging == 1)
+    fetcher.readahead([9])
+    waiter = threading.Thread(target=fetcher.get, args=([9],))
+    waiter.start()
+    time.sleep(0.05)
+    assert fetcher.cancel_readahead([9]) == 0
+    store.release()
+    waiter.join(5)
+    assert image.index.sectors[9].checksum in fetcher.cache

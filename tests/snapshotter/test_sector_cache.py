@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import support
-import zstandard
 from datapath_support import set_mtime
 
 from imagetool.format import sector_checksum
@@ -18,8 +17,8 @@ from snapshotter.cache import SectorCache
 
 
 def entry(data: bytes) -> tuple[str, bytes]:
-    """(checksum, stored bytes) of a sector holding ``data``."""
-    return sector_checksum(data), zstandard.ZstdCompressor().compress(data)
+    """(checksum, cache entry bytes) of a sector holding ``data``: the bytes themselves."""
+    return sector_checksum(data), data
 
 
 def random_entry(rng: random.Random, size: int = 10_000) -> tuple[str, bytes]:
@@ -31,12 +30,12 @@ def test_put_get_roundtrip_and_miss(tmp_path: Path) -> None:
     key, stored = entry(b"hello" * 1000)
     assert cache.get(key) is None
     assert cache.put(key, stored)
-    assert cache.get(key) == stored
-    assert cache.get_decoded(key) == b"hello" * 1000
+    assert cache.get(key) == stored == b"hello" * 1000
+    assert cache.read(key, 7, 11) == stored[7:18]
     assert key in cache and len(cache) == 1 and cache.usage() == len(stored)
-    path = tmp_path / "v1" / key[:2] / key
+    path = tmp_path / "v2" / key[:2] / key
     assert path.read_bytes() == stored
-    assert not list((tmp_path / "v1" / "wip").iterdir())
+    assert not list((tmp_path / "v2" / "wip").iterdir())
     assert cache.metrics.hits.value == 2 and cache.metrics.misses.value == 1
 
 
@@ -55,7 +54,7 @@ def test_corrupt_entry_is_a_logged_miss_and_deleted(
     cache = SectorCache(tmp_path, 1 << 20)
     key, stored = entry(b"payload" * 500)
     cache.put(key, stored)
-    path = tmp_path / "v1" / key[:2] / key
+    path = tmp_path / "v2" / key[:2] / key
     path.write_bytes(stored[:-1] + bytes([stored[-1] ^ 1]))
     assert cache.get(key) is None
     assert "corrupt" in caplog.text
@@ -78,7 +77,7 @@ def test_lru_eviction_under_the_cap(tmp_path: Path) -> None:
     assert cache.put(*entries[3])
     assert cache.entries() == [entries[2][0], entries[0][0], entries[3][0]]
     assert cache.get(entries[1][0]) is None  # the least recently used went
-    assert not (tmp_path / "v1" / entries[1][0][:2] / entries[1][0]).exists()
+    assert not (tmp_path / "v2" / entries[1][0][:2] / entries[1][0]).exists()
     assert cache.usage() <= cache.max_bytes
     assert cache.metrics.evictions.value == 1
 
@@ -111,18 +110,18 @@ def test_restart_reuses_entries_in_lru_order(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     for i, (key, stored) in enumerate(entries):
         cache.put(key, stored)
-        set_mtime(tmp_path / "v1" / key[:2] / key, 1_000_000 + (2 - i))  # 0 newest
-    (tmp_path / "v1" / "wip" / "leftover").write_bytes(b"half a sector")  # from a crash
-    set_mtime(tmp_path / "v1" / "wip" / "leftover", 1_000_000)
-    (tmp_path / "v1" / "wip" / "busy").write_bytes(b"another process is writing this")
-    (tmp_path / "v1" / "ab").mkdir(exist_ok=True)
-    (tmp_path / "v1" / "ab" / "not-an-entry").write_bytes(b"?")
+        set_mtime(tmp_path / "v2" / key[:2] / key, 1_000_000 + (2 - i))  # 0 newest
+    (tmp_path / "v2" / "wip" / "leftover").write_bytes(b"half a sector")  # from a crash
+    set_mtime(tmp_path / "v2" / "wip" / "leftover", 1_000_000)
+    (tmp_path / "v2" / "wip" / "busy").write_bytes(b"another process is writing this")
+    (tmp_path / "v2" / "ab").mkdir(exist_ok=True)
+    (tmp_path / "v2" / "ab" / "not-an-entry").write_bytes(b"?")
 
     reopened = SectorCache(tmp_path, 1 << 20)
     assert reopened.entries() == [entries[2][0], entries[1][0], entries[0][0]]
     assert reopened.usage() == sum(len(s) for _, s in entries)
     assert reopened.get(entries[1][0]) == entries[1][1]
-    assert [p.name for p in (tmp_path / "v1" / "wip").iterdir()] == ["busy"]
+    assert [p.name for p in (tmp_path / "v2" / "wip").iterdir()] == ["busy"]
     # the hit touched the file, so the order survives another restart
     again = SectorCache(tmp_path, 1 << 20)
     assert again.entries()[-1] == entries[1][0]
@@ -134,7 +133,7 @@ def test_restart_with_a_smaller_cap_evicts_down(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     for i, (key, stored) in enumerate(entries):
         cache.put(key, stored)
-        set_mtime(tmp_path / "v1" / key[:2] / key, 1_000_000 + i)
+        set_mtime(tmp_path / "v2" / key[:2] / key, 1_000_000 + i)
     small = SectorCache(tmp_path, 2 * len(entries[0][1]) + 10)
     assert small.entries() == [entries[2][0], entries[3][0]]
 
@@ -147,7 +146,7 @@ def test_processes_sharing_a_directory_see_each_others_entries(tmp_path: Path) -
     assert a[0] in two and two.get(a[0]) == a[1]  # found on disk, adopted
     assert two.usage() == len(a[1])
     two.put(*b)
-    assert one.get_decoded(b[0]) is not None
+    assert one.get(b[0]) == b[1]
     two.discard(a[0])  # "evicted" by the other process
     assert one.get(a[0]) is None and a[0] not in one
 
@@ -158,7 +157,7 @@ def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     cache.put(*a)
     cache.put(*b)
-    (tmp_path / "v1" / a[0][:2] / a[0]).unlink()  # removed behind the cache's back
+    (tmp_path / "v2" / a[0][:2] / a[0]).unlink()  # removed behind the cache's back
     assert cache.gc() == 0
     assert cache.entries() == [b[0]] and cache.usage() == len(b[1])
     cache.clear()
@@ -189,7 +188,7 @@ def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
         t.join()
     assert not errors
     assert cache.usage() <= cache.max_bytes
-    on_disk = sum(p.stat().st_size for p in (tmp_path / "v1").glob("??/*"))
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "v2").glob("??/*"))
     assert on_disk == cache.usage()
     assert cache.metrics.corrupt.value == 0
 
@@ -243,4 +242,72 @@ def test_real_full_filesystem_evicts_and_never_fails(tiny_fs: Path) -> None:
     assert cache.metrics.evictions.value > 0
     assert cache.usage() < 1 << 20
     assert cache.get(entries[-1][0]) == entries[-1][1]
-    assert not list((tiny_fs / "v1" / "wip").iterdir())
+    assert not list((tiny_fs / "v2" / "wip").iterdir())
+
+
+def test_range_reads_are_checked_against_what_was_verified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = random.Random(11).randbytes(300_000)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 1 << 20).put(key, data)
+    cache = SectorCache(tmp_path, 1 << 20)  # another process: nothing verified yet
+    assert cache.read(key, 100_000, 5000, size=len(data)) == data[100_000:105_000]
+    assert cache.read(key, 299_990, 100) == data[299_990:]  # short at the end
+    assert cache.read(key, 0, 10, size=len(data) + 1) is None  # not the sector asked for
+    # damaged in place after the check (same size, same mtime): caught by the read that
+    # would have served it, never returned
+    path = tmp_path / "v2" / key[:2] / key
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(200_000)
+        f.write(b"\xff" * 3)
+    set_mtime(path, st.st_mtime)
+    assert cache.read(key, 0, 1000) == data[:1000]  # blocks that are intact still serve
+    assert cache.read(key, 199_000, 2000) is None
+    assert "corrupt" in caplog.text and not path.exists() and key not in cache
+    assert cache.metrics.corrupt.value == 1
+
+
+def test_first_use_in_a_process_checks_the_whole_entry(tmp_path: Path) -> None:
+    data = random.Random(12).randbytes(200_000)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 1 << 20).put(key, data)
+    path = tmp_path / "v2" / key[:2] / key
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # damage far from the range read
+    cache = SectorCache(tmp_path, 1 << 20)
+    assert cache.read(key, 0, 100) is None
+    assert not path.exists() and cache.metrics.corrupt.value == 1
+    truncated = random.Random(13).randbytes(100_000)
+    tkey = sector_checksum(truncated)
+    SectorCache(tmp_path, 1 << 20).put(tkey, truncated)
+    (tmp_path / "v2" / tkey[:2] / tkey).write_bytes(truncated[:50_000])
+    assert SectorCache(tmp_path, 1 << 20).read(tkey, 0, 100) is None
+
+
+def test_put_refuses_bytes_that_are_not_the_named_sector(tmp_path: Path) -> None:
+    cache = SectorCache(tmp_path, 1 << 20)
+    key, _ = entry(b"right")
+    assert not cache.put(key, b"wrong")
+    assert key not in cache and cache.get(key) is None
+
+
+def test_v1_entries_are_taken_over(tmp_path: Path) -> None:
+    import zstandard
+
+    data = random.Random(14).randbytes(50_000)
+    key = sector_checksum(data)
+    old = tmp_path / "v1" / key[:2] / key
+    old.parent.mkdir(parents=True)
+    old.write_bytes(zstandard.ZstdCompressor().compress(data))
+    bad = random.Random(15).randbytes(1000)
+    bad_key = sector_checksum(bad)
+    (tmp_path / "v1" / bad_key[:2]).mkdir(exist_ok=True)
+    (tmp_path / "v1" / bad_key[:2] / bad_key).write_bytes(zstandard.ZstdCompressor().compress(b"x"))
+    cache = SectorCache(tmp_path, 1 << 20)
+    assert cache.read(key, 10, 20) == data[10:30]
+    assert not old.exists() and (tmp_path / "v2" / key[:2] / key).read_bytes() == data
+    assert cache.get(bad_key) is None  # a v1 entry that does not check out is dropped
+    assert not (tmp_path / "v1" / bad_key[:2] / bad_key).exists()
+    cache.gc()
+    assert not (tmp_path / "v1").exists()
