@@ -25,6 +25,16 @@ Ejection
     period ends the backend is eligible again; one more failure ejects it for twice as long,
     one success forgives it.
 
+Zones
+    With ``zone`` set (the router's own zone; endpoints carry theirs from EndpointSlices),
+    P2C draws from the same-zone backends only, as long as at least ``zone_min_healthy`` of
+    them (a fraction, at least one) are eligible; otherwise from all. Locality must not
+    become a hot spot, so the same-zone choice is compared with one backend drawn from the
+    whole eligible set and gives way to it when it carries more than ``1 + zone_spill``
+    times that one's load plus ``zone_spill_min`` requests. The offset keeps light load local:
+    a vLLM pod batches dozens of requests, and a few more on a same-zone pod cost less than
+    a cross-zone hop. Retries ignore zones: they go wherever P2C sends them.
+
 Draining
     A draining backend (Kubernetes: not ready or terminating) gets no new requests; the ones
     in flight finish. If every non-draining backend is ejected, the one whose ejection ends
@@ -57,6 +67,14 @@ class BalancerConfig:
     eject_max_s: float = DEFAULT_EJECT_MAX_S
     #: consecutive failures before a backend is ejected
     eject_after_failures: int = 1
+    #: this router's zone: prefer backends in it (None: no preference)
+    zone: str | None = None
+    #: prefer the zone while at least this fraction of its backends is eligible
+    zone_min_healthy: float = 0.5
+    #: leave the zone when the local choice's load exceeds another zone's backend's load
+    #: times (1 + zone_spill), plus zone_spill_min
+    zone_spill: float = 0.5
+    zone_spill_min: float = 4.0
 
 
 class Backend:
@@ -73,6 +91,7 @@ class Backend:
         "reported",
         "reported_at",
         "own_at_report",
+        "peak",
         "key",
     )
 
@@ -87,6 +106,8 @@ class Backend:
         self.reported: float | None = None
         self.reported_at = 0.0
         self.own_at_report = 0
+        #: highest inflight since the current load report was requested
+        self.peak = 0
         self.key = self.url  # label value for metrics
 
     def __repr__(self) -> str:
@@ -112,11 +133,32 @@ def score(b: Backend, now: float, cfg: BalancerConfig) -> float:
     return s
 
 
-def record_report(b: Backend, load: float, now: float) -> None:
-    """Store a backend's reported load (running + waiting) observed at ``now``."""
+def record_report(b: Backend, load: float, now: float, *, own: int | None = None) -> None:
+    """Store a backend's reported load (running + waiting) observed at ``now``.
+
+    ``own``: this router's in-flight requests to ``b`` to subtract from the report (default:
+    ``b.inflight`` now). The backend counted our requests at one instant between sending the
+    scrape and reading its answer, and our count moves meanwhile; with requests of a few
+    milliseconds the difference is noise, and as ``score`` only counts a positive "others"
+    share, noise would turn into phantom load. The router therefore passes the *highest*
+    in-flight count of that window (:func:`begin_report` .. now), which can only under-
+    estimate the others' share.
+    """
     b.reported = load
     b.reported_at = now
-    b.own_at_report = b.inflight
+    b.own_at_report = b.inflight if own is None else own
+
+
+def begin_report(b: Backend) -> None:
+    """A load report of ``b`` is being fetched: start tracking our peak in-flight count."""
+    b.peak = b.inflight
+
+
+def note_sent(b: Backend) -> None:
+    """Count one more request in flight to ``b`` (keeps the peak :func:`record_report` uses)."""
+    n = b.inflight = b.inflight + 1
+    if n > b.peak:
+        b.peak = n
 
 
 def backoff(failures: int, cfg: BalancerConfig, rng: random.Random) -> float:
@@ -139,6 +181,8 @@ class Balancer:
         self.rng = rng or random.Random()
         self.backends: dict[str, Backend] = {}
         self._eligible: list[Backend] = []
+        #: eligible backends in cfg.zone, or None when the zone is not preferred now
+        self._local: list[Backend] | None = None
         # the eligible list is valid until this time (the next ejection expiry) or a change
         self._valid_until = -1.0
 
@@ -202,14 +246,22 @@ class Balancer:
             return self._eligible
         eligible = []
         next_expiry = float("inf")
+        zone = self.cfg.zone
+        local: list[Backend] = []
+        in_zone = 0
         for b in self.backends.values():
             if b.draining:
                 continue
+            if zone is not None and b.zone == zone:
+                in_zone += 1
             if b.ejected_until > now:
                 next_expiry = min(next_expiry, b.ejected_until)
                 continue
             eligible.append(b)
+            if zone is not None and b.zone == zone:
+                local.append(b)
         self._eligible = eligible
+        self._local = local if local and len(local) >= self.cfg.zone_min_healthy * in_zone else None
         self._valid_until = next_expiry
         return eligible
 
@@ -228,11 +280,11 @@ class Balancer:
                 return self._fallback(now, exclude)
             # draw from the list without `exclude`, without copying it
             i = cands.index(exclude)
-            a = self.rng.randrange(n - 1)
+            a = int(self.rng.random() * (n - 1))
             a += a >= i
             if n == 2:
                 return cands[a]
-            c = self.rng.randrange(n - 2)
+            c = int(self.rng.random() * (n - 2))
             lo, hi = (a, i) if a < i else (i, a)
             c += c >= lo
             c += c >= hi
@@ -241,10 +293,36 @@ class Balancer:
             return self._fallback(now, exclude)
         if n == 1:
             return cands[0]
-        a = self.rng.randrange(n)
-        c = self.rng.randrange(n - 1)
+        local = self._local
+        if local is not None and exclude is None:
+            return self._pick_local(local, cands, now)
+        # int(random() * n), not randrange(n): the same uniform draw at a tenth of the cost
+        rnd = self.rng.random
+        a = int(rnd() * n)
+        c = int(rnd() * (n - 1))
         c += c >= a
         return self._better(cands[a], cands[c], now)
+
+    def _pick_local(self, local: list[Backend], cands: list[Backend], now: float) -> Backend:
+        """P2C within the zone, giving way to a much less loaded backend elsewhere."""
+        m = len(local)
+        if m == 1:
+            x = local[0]
+        else:
+            rnd = self.rng.random
+            a = int(rnd() * m)
+            c = int(rnd() * (m - 1))
+            c += c >= a
+            x = self._better(local[a], local[c], now)
+        if m == len(cands):
+            return x
+        y = cands[int(self.rng.random() * len(cands))]
+        if y.zone != self.cfg.zone:
+            sy = score(y, now, self.cfg)
+            cfg = self.cfg
+            if score(x, now, cfg) > (1 + cfg.zone_spill) * sy + cfg.zone_spill_min:
+                return y
+        return x
 
     def _better(self, x: Backend, y: Backend, now: float) -> Backend:
         sx = score(x, now, self.cfg)

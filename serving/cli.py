@@ -113,6 +113,9 @@ def main(verbose: int) -> None:
     show_default=True,
     help="Backend /metrics poll, s.",
 )
+@click.option(
+    "--zone", help="This router's zone: prefer same-zone endpoints (from the EDS) while healthy."
+)
 @click.option("--report-half-life", type=float, default=1.0, show_default=True)
 @click.option("--eject-base", type=float, default=1.0, show_default=True)
 @click.option("--eject-max", type=float, default=30.0, show_default=True)
@@ -125,6 +128,7 @@ def router(
     workers,
     admin_port,
     scrape_interval,
+    zone,
     report_half_life,
     eject_base,
     eject_max,
@@ -146,7 +150,10 @@ def router(
         connect_timeout_s=connect_timeout,
         request_timeout_s=request_timeout,
         balancer=BalancerConfig(
-            report_half_life_s=report_half_life, eject_base_s=eject_base, eject_max_s=eject_max
+            report_half_life_s=report_half_life,
+            eject_base_s=eject_base,
+            eject_max_s=eject_max,
+            zone=zone or None,
         ),
     )
     serve(cfg)

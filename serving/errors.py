@@ -3,6 +3,7 @@
     ServingError
     ├── ConfigError (ValueError)          a bad option, endpoint list or policy
     ├── NoBackendError                    the router has no backend it may send a request to
+    ├── ProtocolError                     a peer sent a malformed HTTP message (``status``)
     ├── DiscoveryError                    an endpoint source failed (file, Kubernetes, EDS stream)
     └── ActuatorError                     scaling could not be applied (Kubernetes, process pool)
 
@@ -30,3 +31,15 @@ class DiscoveryError(ServingError):
 
 class ActuatorError(ServingError):
     """Scaling could not be applied."""
+
+
+class ProtocolError(ServingError):
+    """A client or backend sent an HTTP message the router will not pass on.
+
+    ``status`` is what the router answers: 4xx/5xx for a client's request, 502 for a
+    backend's response.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

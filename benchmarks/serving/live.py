@@ -1,18 +1,31 @@
 # ruff: noqa: E501  (report tables are built from long f-strings)
 """Live loopback benchmark: the router vs nginx (random two least_conn) vs HAProxy (leastconn).
 
-K emulated vLLM backends (``serving.fakebackend``, lognormal service time) run as processes;
-each proxy in turn is put in front of the same backends with ONE worker/process/thread, and
-``wrk`` drives it (closed loop, POST /v1/completions):
+K emulated vLLM backends (``fastbackend.py``: one process, K ports, lognormal service time)
+run once; the router, nginx and HAProxy all run at the same time in front of the same
+backends, each with ONE worker process/thread, pinned to the same CPU (``--proxy-cpu``);
+``wrk`` and the backends share another (``--load-cpu``). Measurements are interleaved in
+rounds (direct, router, nginx, haproxy, the order rotated each round) and reported as
+medians over rounds, so every target sees the same machine state on average:
 
-* max throughput: many connections;
-* latency at about half of that: few connections; compared with wrk straight to one backend
-  at the same connection count, which gives the latency the proxy *adds*;
-* balance: per-backend request counts (backends' ``/admin/stats``), max/mean.
+* **max throughput**: closed loop, ``--max-conns`` connections. Besides requests/s, the
+  proxy's own CPU time (``/proc``, all its processes) gives its CPU cost per request and so
+  its throughput per core: what one fully busy core would carry. On a machine shared with
+  other work that is the robust number; wall-clock max rps also depends on the load side.
+* **latency at 50% of the router's max throughput**: the offered rate is half the median
+  router max; ``wrk`` (Debian's 4.1 has no ``-R``) runs ``--half-conns`` connections with
+  exponentially distributed think times (Lua ``delay()``), so requests arrive at about that
+  rate regardless of the target. Added p50/p99 = target minus direct (straight to one
+  backend), per round, then the median over rounds.
+* **balance**: per-backend request counts (``/admin/stats``) during each run, max/mean.
 
-    python benchmarks/serving/live.py [--seconds 5] [--backends 4] [--out benchmarks/serving/results]
+The direct baseline uses a port of its own (same process, same distribution), not one of the
+proxies' backends: the router would otherwise see the baseline's load in its load reports.
+``--aiohttp-router c9d09de`` adds the router as first committed (aiohttp) as a fifth target.
 
-Needs wrk, nginx, haproxy on PATH (Debian: ``apt-get install -y nginx haproxy wrk``).
+    python benchmarks/serving/live.py [--rounds 6] [--seconds 4] [--aiohttp-router c9d09de]
+
+Needs wrk, nginx, haproxy, taskset on PATH (Debian: ``apt-get install -y nginx haproxy wrk``).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +46,24 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LUA = 'wrk.method = "POST"\nwrk.body = \'{"model":"m","prompt":"fix: i has a apple","max_tokens":50}\'\nwrk.headers["Content-Type"] = "application/json"\n'
+HERE = Path(__file__).resolve().parent
+BODY = '{"model":"m","prompt":"fix: i has a apple","max_tokens":50}'
+LUA = f"""wrk.method = "POST"
+wrk.body = '{BODY}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+# exponential think time (ms) before each request on a connection: an open-ish arrival process
+LUA_RATE = (
+    LUA
+    + """math.randomseed(os.time())
+local think = THINK_MS
+function delay()
+  return -math.log(1 - math.random()) * think
+end
+"""
+)
+TARGETS = ("direct", "router", "nginx", "haproxy")
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -53,12 +84,13 @@ def wait_port(port: int, timeout: float = 30) -> None:
 
 def parse_wrk(text: str) -> dict:
     def dur(s: str) -> float:
-        m = re.match(r"([\d.]+)(us|ms|s)", s)
+        m = re.match(r"([\d.]+)(us|ms|s)$", s)
         v, u = float(m.group(1)), m.group(2)
         return v / 1000 if u == "us" else v if u == "ms" else v * 1000
 
     out = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))}
-    for p in ("50", "99"):
+    out["requests"] = int(re.search(r"(\d+) requests in", text).group(1))
+    for p in ("50", "90", "99"):
         m = re.search(rf"^\s+{p}(?:\.000)?%\s+(\S+)", text, re.M)
         out[f"p{p}_ms"] = dur(m.group(1)) if m else None
     errs = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
@@ -69,18 +101,34 @@ def parse_wrk(text: str) -> dict:
     return out
 
 
-def wrk(port: int, conns: int, seconds: float, lua: Path) -> dict:
-    cmd = [
-        "wrk",
-        "-t1",
-        f"-c{conns}",
-        f"-d{max(1, int(seconds))}s",
-        "--latency",
-        "-s",
-        str(lua),
-        f"http://127.0.0.1:{port}/v1/completions",
-    ]
+def pin(cpu: str | None) -> list[str]:
+    return ["taskset", "-c", cpu] if cpu else []
+
+
+def wrk(port: int, conns: int, seconds: int, lua: Path, cpu: str | None) -> dict:
+    cmd = [*pin(cpu), "wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(lua)]
+    cmd.append(f"http://127.0.0.1:{port}/v1/completions")
     return parse_wrk(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User+system CPU of these processes and their children (nginx workers)."""
+    total = 0
+    seen = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        todo.extend(int(k) for k in kids)
+    return total / TICK
 
 
 def stats(ports: list[int]) -> list[int]:
@@ -91,24 +139,24 @@ def stats(ports: list[int]) -> list[int]:
     return out
 
 
-def start_proxy(kind: str, port: int, backends: list[int], tmp: Path) -> subprocess.Popen:
+def start_proxy(
+    kind: str, port: int, backends: list[int], tmp: Path, cpu: str | None
+) -> subprocess.Popen:
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if kind == "aiohttp-router":  # the router as first committed (see --aiohttp-router)
+        urls = tuple(f"http://127.0.0.1:{b}" for b in backends)
+        code = (
+            f"import sys; sys.path.insert(0, {str(tmp)!r}); import old_router as r; "
+            f"r.serve(r.RouterConfig(host='127.0.0.1', port={port}, backends={urls!r}))"
+        )
+        return subprocess.Popen([*pin(cpu), sys.executable, "-c", code], cwd=ROOT, **quiet)
     if kind == "router":
         urls = ",".join(f"http://127.0.0.1:{b}" for b in backends)
-        cmd = [
-            sys.executable,
-            "-m",
-            "serving.cli",
-            "router",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--backends",
-            urls,
-            "--workers",
-            "1",
-        ]
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    servers = "\n".join(f"    server 127.0.0.1:{b};" for b in backends)
+        cmd = [*pin(cpu), sys.executable, "-m", "serving.cli", "router"]
+        cmd += ["--listen", f"127.0.0.1:{port}", "--backends", urls, "--workers", "1"]
+        return subprocess.Popen(cmd, cwd=ROOT, **quiet)
     if kind == "nginx":
+        servers = "\n".join(f"    server 127.0.0.1:{b};" for b in backends)
         conf = tmp / "nginx.conf"
         conf.write_text(f"""
 worker_processes 1;
@@ -118,12 +166,14 @@ error_log {tmp}/nginx.err warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
+  keepalive_requests 1000000;
   client_body_temp_path {tmp}/nb; proxy_temp_path {tmp}/np; fastcgi_temp_path {tmp}/nf;
   uwsgi_temp_path {tmp}/nu; scgi_temp_path {tmp}/ns;
   upstream be {{
     random two least_conn;
 {servers}
     keepalive 256;
+    keepalive_requests 1000000;
   }}
   server {{
     listen 127.0.0.1:{port} reuseport;
@@ -136,11 +186,7 @@ http {{
   }}
 }}
 """)
-        return subprocess.Popen(
-            ["nginx", "-c", str(conf), "-p", str(tmp)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        return subprocess.Popen([*pin(cpu), "nginx", "-c", str(conf), "-p", str(tmp)], **quiet)
     if kind == "haproxy":
         conf = tmp / "haproxy.cfg"
         srv = "\n".join(f"  server b{i} 127.0.0.1:{b}" for i, b in enumerate(backends))
@@ -161,124 +207,218 @@ backend be
   balance leastconn
 {srv}
 """)
-        return subprocess.Popen(
-            ["haproxy", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        return subprocess.Popen([*pin(cpu), "haproxy", "-f", str(conf)], **quiet)
     raise ValueError(kind)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def balance(counts: list[int]) -> float | None:
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean else None
+
+
+def run_point(target, port, pids, ports, conns, seconds, lua, cpu) -> dict:
+    before, c0 = stats(ports), cpu_seconds(pids)
+    r = wrk(port, conns, seconds, lua, cpu)
+    c1, after = cpu_seconds(pids), stats(ports)
+    counts = [y - x for x, y in zip(before, after, strict=True)]
+    r["per_backend"] = counts
+    if target != "direct":
+        r["balance"] = balance(counts)
+        r["proxy_cpu_s"] = c1 - c0
+        r["cpu_us_per_req"] = 1e6 * (c1 - c0) / r["requests"] if r["requests"] else None
+    return r
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--service-ms", type=float, default=2.0)
     ap.add_argument("--max-conns", type=int, default=64)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--half-conns", type=int, default=128)
+    ap.add_argument("--proxy-cpu", default="1", help="CPU list for the proxies ('' = no pinning)")
+    ap.add_argument("--load-cpu", default="0", help="CPU list for wrk and the backends")
+    ap.add_argument(
+        "--aiohttp-router",
+        metavar="COMMIT",
+        help="also measure serving/router.py of this commit (c9d09de: the aiohttp router)",
+    )
+    ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args()
-    for tool in ("wrk", "nginx", "haproxy"):
+    targets = TARGETS + (("aiohttp-router",) if a.aiohttp_router else ())
+    for tool in ("wrk", "nginx", "haproxy", "taskset"):
         if not shutil.which(tool):
             sys.exit(f"needs {tool} on PATH")
+    pcpu, lcpu = a.proxy_cpu or None, a.load_cpu or None
     tmp = Path(tempfile.mkdtemp(prefix="servbench-"))
+    if a.aiohttp_router:
+        src = subprocess.run(
+            ["git", "show", f"{a.aiohttp_router}:serving/router.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (tmp / "old_router.py").write_text(src)
     lua = tmp / "post.lua"
     lua.write_text(LUA)
+    # the proxies' backends, and one more port of the same kind for the direct baseline: were
+    # it one of theirs, the router would read the baseline's load in its load reports
     ports = [free_port() for _ in range(a.backends)]
-    bprocs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "serving.fakebackend",
-                "--port",
-                str(p),
-                "--service-ms",
-                str(a.service_ms),
-                "--dist",
-                "lognormal",
-                "--sigma",
-                "0.5",
-                "--max-running",
-                "100000",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for p in ports
-    ]
-    results = {
+    direct_port = free_port()
+    cmd = [*pin(lcpu), sys.executable, str(HERE / "fastbackend.py")]
+    cmd += ["--ports", ",".join(map(str, [*ports, direct_port]))]
+    cmd += ["--service-ms", str(a.service_ms)]
+    cmd += ["--dist", "lognormal", "--sigma", "0.5"]
+    bproc = subprocess.Popen(cmd, cwd=ROOT)
+    procs: dict[str, subprocess.Popen] = {}
+    tports = {"direct": direct_port}
+    load = Path("/proc/loadavg").read_text().split()
+    results: dict = {
         "cpus": os.cpu_count(),
+        "loadavg_at_start": load[:3],
         "backends": a.backends,
         "service_ms": a.service_ms,
+        "dist": "lognormal sigma 0.5",
         "seconds": a.seconds,
+        "rounds": a.rounds,
+        "max_conns": a.max_conns,
+        "half_conns": a.half_conns,
+        "proxy_cpu": pcpu,
+        "load_cpu": lcpu,
+        "targets": targets,
+        "runs": {"max": {t: [] for t in targets}, "half": {t: [] for t in targets}},
     }
     try:
-        for p in ports:
+        for p in [*ports, direct_port]:
             wait_port(p)
-        # direct baseline at low and high concurrency: one backend, no proxy
-        direct = {}
-        for c in (2, 4, 8):
-            direct[c] = wrk(ports[0], c, a.seconds, lua)
-        results["direct"] = direct
-        for kind in ("router", "nginx", "haproxy"):
-            port = free_port()
-            proc = start_proxy(kind, port, ports, tmp)
-            try:
-                wait_port(port)
-                wrk(port, 8, 1, lua)  # warm-up: pools, JIT-free but caches
-                before = stats(ports)
-                mx = wrk(port, a.max_conns, a.seconds, lua)
-                after = stats(ports)
-                counts = [y - x for x, y in zip(before, after, strict=True)]
-                mean = sum(counts) / len(counts)
-                low = {c: wrk(port, c, a.seconds, lua) for c in (2, 4, 8)}
-                # the connection count whose throughput is nearest half of the max
-                c50 = min(low, key=lambda c: abs(low[c]["rps"] - mx["rps"] / 2))
-                r = low[c50]
-                d = direct[c50]
-                results[kind] = {
-                    "max": mx,
-                    "low": low,
-                    "c_at_half": c50,
-                    "half_load_fraction": r["rps"] / mx["rps"],
-                    "added_p50_ms": r["p50_ms"] - d["p50_ms"],
-                    "added_p99_ms": r["p99_ms"] - d["p99_ms"],
-                    "per_backend": counts,
-                    "max_mean_balance": max(counts) / mean if mean else None,
-                }
-                print(kind, json.dumps(results[kind]), flush=True)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for kind in targets[1:]:
+            tports[kind] = free_port()
+            procs[kind] = start_proxy(kind, tports[kind], ports, tmp, pcpu)
+        for kind in targets[1:]:
+            wait_port(tports[kind])
+        pids = {k: [p.pid] for k, p in procs.items()}
+        pids["direct"] = []
+        for kind in targets:  # warm-up: pools, caches
+            wrk(tports[kind], a.max_conns, 1, lua, lcpu)
+
+        def rounds(phase: str, conns: int, script: Path) -> None:
+            for r in range(a.rounds):
+                k = r % len(targets)
+                order = targets[k:] + targets[:k]
+                for t in order:
+                    res = run_point(t, tports[t], pids[t], ports, conns, a.seconds, script, lcpu)
+                    results["runs"][phase][t].append(res)
+                    print(phase, r, t, json.dumps(res), flush=True)
+
+        rounds("max", a.max_conns, lua)
+        router_max = med(x["rps"] for x in results["runs"]["max"]["router"])
+        rate = router_max / 2
+        think_ms = max(0.0, 1000 * a.half_conns / rate - a.service_ms)
+        results["half_rate_target"] = rate
+        results["think_ms"] = think_ms
+        rlua = tmp / "rate.lua"
+        rlua.write_text(LUA_RATE.replace("THINK_MS", f"{think_ms:.3f}"))
+        rounds("half", a.half_conns, rlua)
     finally:
-        for p in bprocs:
-            p.terminate()
-        for p in bprocs:
-            p.wait(15)
+        results["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        for p in procs.values():
+            stop(p)
+        stop(bproc)
         shutil.rmtree(tmp, ignore_errors=True)
+    summarize(results, a)
+
+
+def summarize(results: dict, a) -> None:
+    runs = results["runs"]
+    summary = {}
+    targets = results["targets"]
+    for t in targets:
+        mx, half = runs["max"][t], runs["half"][t]
+        s = {
+            "max_rps": med(x["rps"] for x in mx),
+            "half_rps": med(x["rps"] for x in half),
+            "half_p50_ms": med(x["p50_ms"] for x in half),
+            "half_p99_ms": med(x["p99_ms"] for x in half),
+            "errors": sum(x["errors"] for x in mx + half),
+        }
+        if t != "direct":
+            cpu = med(x["cpu_us_per_req"] for x in mx)
+            s["cpu_us_per_req"] = cpu
+            s["rps_per_core"] = 1e6 / cpu if cpu else None
+            s["max_cpu_util"] = med(x["proxy_cpu_s"] / a.seconds for x in mx)
+            s["added_p50_ms"] = med(
+                h["p50_ms"] - d["p50_ms"] for h, d in zip(half, runs["half"]["direct"], strict=True)
+            )
+            s["added_p99_ms"] = med(
+                h["p99_ms"] - d["p99_ms"] for h, d in zip(half, runs["half"]["direct"], strict=True)
+            )
+            s["balance_half"] = med(x["balance"] for x in half)
+            s["balance_max"] = med(x["balance"] for x in mx)
+        summary[t] = s
+    results["summary"] = summary
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "live.json").write_text(json.dumps(results, indent=1))
+    d = summary["direct"]
     lines = [
         "# Live loopback benchmark",
         "",
-        f"`python benchmarks/serving/live.py`: {a.backends} emulated backends (lognormal, mean {a.service_ms} ms), "
-        f"one proxy process/worker/thread each, wrk -t1, {a.seconds} s per point, {os.cpu_count()} CPUs shared by "
-        "wrk, proxy and backends (so absolute numbers are low and noisy).",
+        f"`python benchmarks/serving/live.py --rounds {a.rounds} --seconds {a.seconds}"
+        f"{' --aiohttp-router ' + a.aiohttp_router if a.aiohttp_router else ''}`: {a.backends} emulated backends "
+        f"(`fastbackend.py`, lognormal service time, mean {a.service_ms} ms, sigma 0.5); router, nginx and HAProxy "
+        f"with one worker each, pinned to CPU {results['proxy_cpu']}; wrk -t1 and the backends on CPU {results['load_cpu']}. "
+        f"{results['cpus']} CPUs, shared with other work (load average {' '.join(results['loadavg_at_start'])} at the start, "
+        f"{' '.join(results['loadavg_at_end'])} at the end). "
+        f"Targets measured in interleaved rounds, {a.seconds} s each; medians over {a.rounds} rounds.",
         "",
-        "| proxy | max rps (1 core) | conns at ~50% | load at that point | added p50 (ms) | added p99 (ms) | balance max/mean | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        f"**Max throughput** (closed loop, {a.max_conns} connections). *CPU/req* is the proxy's own CPU time per "
+        "request; *per core* = 1 s / that, what one busy core would carry.",
+        "",
+        "| target | max rps (wall) | proxy CPU used | CPU/req (µs) | rps per core | balance max/mean | errors |",
+        "|---|---|---|---|---|---|---|",
+        f"| direct (one backend) | {d['max_rps']:.0f} | | | | | {d['errors']} |",
     ]
-    for kind in ("router", "nginx", "haproxy"):
-        r = results[kind]
-        errs = r["max"]["errors"] + sum(x["errors"] for x in r["low"].values())
+    for t in targets[1:]:
+        s = summary[t]
         lines.append(
-            f"| {kind} | {r['max']['rps']:.0f} | {r['c_at_half']} | {100 * r['half_load_fraction']:.0f}% | "
-            f"{r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | {r['max_mean_balance']:.3f} | {errs} |"
+            f"| {t} | {s['max_rps']:.0f} | {100 * s['max_cpu_util']:.0f}% | {s['cpu_us_per_req']:.0f} | "
+            f"{s['rps_per_core']:.0f} | {s['balance_max']:.3f} | {s['errors']} |"
+        )
+    lines += [
+        "",
+        f"**Latency at 50% of the router's max** (offered ~{results['half_rate_target']:.0f} req/s: "
+        f"{a.half_conns} connections, exponential think time {results['think_ms']:.1f} ms). Added = target minus "
+        "direct in the same round, median over rounds.",
+        "",
+        "| target | achieved rps | p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) | balance max/mean |",
+        "|---|---|---|---|---|---|---|",
+        f"| direct (one backend) | {d['half_rps']:.0f} | {d['half_p50_ms']:.2f} | {d['half_p99_ms']:.2f} | | | |",
+    ]
+    for t in targets[1:]:
+        s = summary[t]
+        lines.append(
+            f"| {t} | {s['half_rps']:.0f} | {s['half_p50_ms']:.2f} | {s['half_p99_ms']:.2f} | "
+            f"{s['added_p50_ms']:.2f} | {s['added_p99_ms']:.2f} | {s['balance_half']:.3f} |"
         )
     (out / "live.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from serving.balancer import (
     Balancer,
     BalancerConfig,
     backoff,
+    begin_report,
+    note_sent,
     record_report,
     report_weight,
     score,
@@ -169,3 +171,63 @@ def test_set_endpoints_adds_drains_and_undrains():
 
 def test_no_backends_returns_none():
     assert Balancer().pick(0.0) is None
+
+
+def test_report_subtracts_our_peak_in_flight_during_the_scrape():
+    cfg = BalancerConfig()
+    b = Backend("http://x")
+    b.inflight = 3
+    begin_report(b)
+    note_sent(b)
+    note_sent(b)  # 5 at the peak, while the backend counted us
+    b.inflight -= 4  # answers arrive before the report does
+    record_report(b, 5.0, now=0.0, own=max(b.peak, b.inflight))
+    # without the peak, 5 - 1 = 4 phantom requests "from other routers" would be scored
+    assert score(b, 0.0, cfg) == pytest.approx(1.0)
+
+
+def zoned(zones: str, seed: int = 1, **cfg) -> Balancer:
+    bal = Balancer(BalancerConfig(zone="a", **cfg), rng=random.Random(seed))
+    for i, z in enumerate(zones):
+        bal.add(f"http://127.0.0.1:{9000 + i}", zone=z)
+    return bal
+
+
+def test_zone_preference_keeps_traffic_local_while_healthy():
+    bal = zoned("aabbb")
+    per = Counter(bal.pick(0.0).zone for _ in range(500))
+    assert per == {"a": 500}
+    # no preference configured: everyone gets a share
+    plain = make(5)
+    assert len({plain.pick(0.0).url for _ in range(200)}) == 5
+
+
+def test_zone_preference_ends_when_too_few_local_backends_are_eligible():
+    bal = zoned("aabbb")
+    a0 = next(b for b in bal.backends.values() if b.zone == "a")
+    bal.on_failure(a0, 0.0)  # one of two ejected: 50% still eligible, still preferred
+    assert {bal.pick(0.1).zone for _ in range(200)} == {"a"}
+    bal = zoned("aaabb")
+    for b in [b for b in bal.backends.values() if b.zone == "a"][:2]:
+        bal.on_failure(b, 0.0)  # 1 of 3 eligible: below half, spread over all
+    per = Counter(bal.pick(0.1).zone for _ in range(300))
+    assert per["b"] > 150
+    bal = zoned("bbb")  # no backend in our zone at all
+    assert {bal.pick(0.0).zone for _ in range(50)} == {"b"}
+
+
+def test_zone_preference_spills_to_a_much_less_loaded_zone():
+    bal = zoned("aabb")
+    for b in bal.backends.values():
+        b.inflight = 10 if b.zone == "a" else 8  # 10 <= 1.5 * 8 + 4: stay
+    assert {bal.pick(0.0).zone for _ in range(200)} == {"a"}
+    for b in bal.backends.values():
+        b.inflight = 20 if b.zone == "a" else 8  # 20 > 16: a sampled "b" wins
+    per = Counter(bal.pick(0.0).zone for _ in range(400))
+    assert 120 < per["b"] < 280  # about half the draws sample the other zone
+
+
+def test_retries_ignore_the_zone():
+    bal = zoned("ab")
+    a, b = bal.backends.values()
+    assert {bal.pick(0.0, exclude=a).url for _ in range(20)} == {b.url}

@@ -172,8 +172,7 @@ def test_router_follows_eds_file_within_a_second(tmp_path):
         st = EndpointStore()
         src = asyncio.ensure_future(FileSource(path, poll_s=0.05).run(st))
         eds = await AppServer(make_eds_app(st)).start()
-        router = Router(RouterConfig(eds_url=eds.url))
-        rs = await AppServer(router.app()).start()
+        router = rs = await Router(RouterConfig(port=0, eds_url=eds.url)).start()
         await wait_for(lambda: bs[0].url in router.bal.backends)
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as s:

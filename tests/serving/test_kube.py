@@ -158,3 +158,43 @@ def test_watcher_with_real_client_against_replayed_streams():
         await fake.server.stop()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.integration
+def test_periodic_resync_relists_without_any_error():
+    """No watch event arrives; after resync_s the watcher lists again and replaces its state."""
+    from kubernetes import client
+
+    async def main():
+        fake = FakeApiServer(["list1.json", "list2.json"], [])  # quiet watches
+        await fake.server.start()
+        src = EndpointSliceSource(
+            KubeConfig(
+                namespace="serving",
+                service="llm",
+                port_name="http",
+                resync_s=1.2,
+                watch_timeout_s=1,
+            ),
+            api_client=client.ApiClient(client.Configuration(host=fake.server.url)),
+        )
+        store = EndpointStore()
+        task = asyncio.ensure_future(src.run(store))
+        expected = SliceState("http")
+        expected.replace(load("list2.json"))
+        for _ in range(600):
+            if src.lists >= 2 and store.endpoints == expected.endpoints():
+                break
+            await asyncio.sleep(0.01)
+        assert src.lists == 2 and store.endpoints == expected.endpoints()
+        # list, quiet watch(es) from its version until resync_s, list again: no error involved
+        kinds = ["watch" if q.get("watch", "").lower() == "true" else "list" for q in fake.requests]
+        second = kinds.index("list", 1)
+        assert kinds[0] == "list" and second >= 2 and kinds.count("list") == 2
+        assert all(q["resourceVersion"] == "1000" for q in fake.requests[1:second])
+        assert all(q["resourceVersion"] == "2000" for q in fake.requests[second + 1 :])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fake.server.stop()
+
+    run(main(), timeout=30)
