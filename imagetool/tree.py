@@ -274,7 +274,12 @@ def _set_meta(node: Node, member: tarfile.TarInfo) -> None:
     node.xattrs = _xattrs(member)
 
 
+_NO_XATTRS: dict[str, bytes] = {}  # shared by every node without xattrs; never mutated
+
+
 def _xattrs(member: tarfile.TarInfo) -> dict[str, bytes]:
+    if not member.pax_headers:
+        return _NO_XATTRS
     out: dict[str, bytes] = {}
     for key, value in member.pax_headers.items():
         if key.startswith("SCHILY.xattr."):
@@ -285,7 +290,7 @@ def _xattrs(member: tarfile.TarInfo) -> dict[str, bytes]:
                 out[xname] = base64.b64decode(value + "=" * (-len(value) % 4))
             except ValueError:
                 raise InvalidSourceError(f"bad xattr encoding on {member.name!r}") from None
-    return out
+    return out or _NO_XATTRS
 
 
 def apply_layer(tree: Tree, stream: BinaryIO, sink: ContentSink, layer_name: str) -> None:

@@ -52,7 +52,8 @@ class DataExtent:
 
 @dataclass(frozen=True)
 class ErofsPlan:
-    metadata: bytes  # image bytes [0, len(metadata)); len is a multiple of the block size
+    metadata: bytes | bytearray  # image bytes [0, len); a multiple of the block size; not to
+    # be modified
     extents: tuple[DataExtent, ...]  # by image offset, all past the metadata
     size: int  # image size in bytes (multiple of the block size)
     files: tuple[FileExtent, ...]  # regular files with data, in layout order
@@ -71,12 +72,17 @@ class _Inode:
         self.nid = 0
         self.nlink = 0
         self.xattr_blob = b""
-        self.content = b""  # directories and symlinks: their data
+        self.content = b""  # symlinks: the target; directories: filled in when written
         self.layout = L.FLAT_PLAIN
         self.inline_len = 0
         self.blkaddr = 0
         self.size = 0
         self.entries: list[tuple[bytes, Node]] = []
+
+    @property
+    def meta_data_len(self) -> int:
+        """Bytes of data kept in the metadata region: directories' and symlinks'."""
+        return 0 if self.node.is_reg else self.size
 
     @property
     def record_size(self) -> int:
@@ -105,8 +111,8 @@ def plan_erofs(tree: Tree, order: Iterable[str] = ()) -> ErofsPlan:
     # Whole blocks of directories and long symlinks, still in the metadata region.
     block = L.align(pos, BLOCK_SIZE) // BLOCK_SIZE
     for ino in inodes:
-        head = len(ino.content) - ino.inline_len
-        if ino.content and head:
+        head = ino.meta_data_len - ino.inline_len
+        if head:
             ino.blkaddr = block
             block += -(-head // BLOCK_SIZE)
     meta_end = block * BLOCK_SIZE
@@ -153,7 +159,7 @@ def plan_erofs(tree: Tree, order: Iterable[str] = ()) -> ErofsPlan:
     )  # fmt: skip
     meta[L.SUPERBLOCK_OFFSET : L.SUPERBLOCK_OFFSET + L.SUPERBLOCK_SIZE] = sb.pack()
     log.debug("erofs: %d inodes, metadata %d bytes, image %d bytes", len(inodes), meta_end, size)
-    return ErofsPlan(bytes(meta), tuple(extents), size, tuple(files), len(inodes))
+    return ErofsPlan(meta, tuple(extents), size, tuple(files), len(inodes))
 
 
 def _collect(tree: Tree) -> tuple[list[_Inode], dict[int, _Inode], dict[int, list[str]]]:
@@ -190,18 +196,29 @@ def _prepare(ino: _Inode, by_id: dict[int, _Inode]) -> None:
     node = ino.node
     ino.xattr_blob = _xattr_blob(node)
     if node.is_dir:
-        ino.content = _dir_blocks(ino.entries, nid_of=None)
+        ino.size = _dir_size(ino.entries)  # the bytes come once every nid is known
     elif node.is_symlink:
         ino.content = os.fsencode(node.target)
-    if node.is_reg:
-        ino.size = node.size
-    else:
         ino.size = len(ino.content)
-    if ino.content:
-        tail = len(ino.content) % BLOCK_SIZE
+    elif node.is_reg:
+        ino.size = node.size
+    if ino.meta_data_len:
+        tail = ino.meta_data_len % BLOCK_SIZE
         if tail and INODE_SIZE + len(ino.xattr_blob) + tail <= BLOCK_SIZE:
             ino.layout = L.FLAT_INLINE
             ino.inline_len = tail
+
+
+def _dir_size(entries: Sequence[tuple[bytes, Node]]) -> int:
+    """Length of the directory data ``_dir_blocks`` will produce, without building it."""
+    size, used = 0, 0
+    for name, _ in entries:
+        need = L.DIRENT.size + len(name)
+        if used + need > BLOCK_SIZE:
+            size += BLOCK_SIZE
+            used = 0
+        used += need
+    return size + used
 
 
 def _dir_blocks(entries: Sequence[tuple[bytes, Node]], nid_of: dict[int, _Inode] | None) -> bytes:
@@ -261,10 +278,11 @@ def _write_inode(meta: bytearray, ino: _Inode, by_id: dict[int, _Inode]) -> None
     node = ino.node
     if node.is_dir:  # now that every nid is known
         ino.content = _dir_blocks(ino.entries, nid_of=by_id)
+        assert len(ino.content) == ino.size, "directory size changed between passes"
     fmt = stat.S_IFMT(node.mode)
     if fmt in (stat.S_IFCHR, stat.S_IFBLK):
         i_u = L.encode_rdev(os.major(node.rdev), os.minor(node.rdev))
-    elif ino.layout == L.FLAT_INLINE and len(ino.content) < BLOCK_SIZE:
+    elif ino.layout == L.FLAT_INLINE and ino.size < BLOCK_SIZE:
         i_u = 0  # all data is inline; no block is addressed
     else:
         i_u = ino.blkaddr
@@ -288,7 +306,9 @@ def _write_inode(meta: bytearray, ino: _Inode, by_id: dict[int, _Inode]) -> None
     if ino.inline_len:
         record += ino.content[len(ino.content) - ino.inline_len :]
     meta[pos : pos + len(record)] = record
-    head = len(ino.content) - ino.inline_len
-    if ino.content and head:
+    head = ino.meta_data_len - ino.inline_len
+    if head:
         start = ino.blkaddr * BLOCK_SIZE
         meta[start : start + head] = ino.content[:head]
+    ino.entries = []  # written: free what only the writing needed
+    ino.content = b""
