@@ -97,6 +97,51 @@ def test_panic_counts_ready_pods_not_requested_ones():
     assert d.desired == 10
 
 
+def test_big_backlog_with_enough_pods_starting_buys_no_more():
+    # cold-start backlog: 900 in flight but only 45 of demand (arrival rate x service time);
+    # 10 pods (2 ready, 8 starting) cover it -> no scale-up, for a whole cold start
+    obs = [
+        Observation(float(t), 900.0 + 50 * t, current=10, ready=2, starting=8, demand=45.0)
+        for t in range(120)
+    ]
+    st = ScalerState()
+    for o in obs:
+        d = decide(P, st, o)
+        st = d.state
+        assert d.desired == 10, d.reason  # panic may hold, but buys nothing more
+    # the same backlog without a demand estimate would scale up (old behaviour)
+    d = decide(P, ScalerState(), Observation(0.0, 900.0, current=10, ready=2, starting=8))
+    assert d.panic and d.desired == 90
+
+
+def test_panic_still_doubles_when_starting_pods_are_not_enough():
+    policy = ScalingPolicy(target_per_pod=10, up_max_pods=1, up_max_percent=0, up_window_s=1)
+    # 10 ready + 2 starting = 120 of capacity on its way; 250 wanted > 2 x 120 -> panic,
+    # step limit (+1) lifted
+    d = decide(policy, ScalerState(), Observation(0.0, 250.0, 12, 10, 2, demand=250.0))
+    assert d.panic and d.desired == 25
+    # the backlog beyond backlog_factor (2x) times the demand does not count
+    d = decide(policy, ScalerState(), Observation(0.0, 500.0, 10, 10, 0, demand=205.0))
+    assert d.panic and d.desired == 41
+
+
+def test_demand_does_not_slow_reaction_when_concurrency_matches_it():
+    a, _ = run(P, [20.0] * 10 + [200.0] * 10, start=2, ready=100)
+    st = ScalerState()
+    b = []
+    current = 2
+    for i, c in enumerate([20.0] * 10 + [200.0] * 10):
+        d = decide(P, st, Observation(float(i), c, current, 100, 0, demand=c * 0.8))
+        st, current = d.state, d.desired
+        b.append(current)
+    assert a == b
+
+
+def test_missing_demand_samples_fall_back_to_concurrency():
+    d = decide(P, ScalerState(), Observation(0.0, 51.0, current=5, ready=5, demand=None))
+    assert d.desired == 6
+
+
 def test_no_scale_down_during_panic_hold():
     out, st = run(P, [500.0] * 3, start=10)
     assert out[-1] > 10
