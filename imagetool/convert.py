@@ -34,7 +34,7 @@ from imagetool.readahead import ReadAhead
 from imagetool.sources import SourceImage, open_source
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import StoreOptions
-from imagetool.tree import SpoolSink, Tree, apply_layer
+from imagetool.tree import ContentSink, SpoolSink, Tree, apply_layer
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,13 @@ def read_profile(path: Path) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_tree(source: SourceImage, sink: SpoolSink | object, progress: Progress | None) -> Tree:
+def build_tree(source: SourceImage, sink: ContentSink, progress: Progress | None = None) -> Tree:
+    """Apply every layer of ``source`` in order; file contents go to ``sink``."""
     tree = Tree()
+    on_read = (lambda size: progress("read", size, None)) if progress is not None else None
     for n, layer in enumerate(source.layers):
-        name = f"{n} ({layer.digest[:19]})"
-        on_read = (lambda n: progress("read", n, None)) if progress is not None else None
         with source.open_layer(layer) as stream, ReadAhead(stream, on_read) as ahead:
-            apply_layer(tree, ahead, sink, name)  # type: ignore[arg-type]
+            apply_layer(tree, ahead, sink, f"{n} ({layer.digest[:19]})")  # type: ignore[arg-type]
     return tree
 
 

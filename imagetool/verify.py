@@ -8,13 +8,13 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from imagetool.convert import build_tree
 from imagetool.erofs import layout as L
 from imagetool.erofs.reader import ErofsReader, Inode
 from imagetool.errors import ChecksumError
 from imagetool.image import BlockImage
-from imagetool.readahead import ReadAhead
 from imagetool.sources import SourceImage
-from imagetool.tree import HashSink, Node, Tree, apply_layer
+from imagetool.tree import HashSink, Node, Tree
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,8 @@ def verify_sectors(image: BlockImage, report: VerifyReport) -> None:
 
 
 def source_tree(source: SourceImage) -> Tree:
-    tree = Tree()
-    sink = HashSink()
-    for n, layer in enumerate(source.layers):
-        with source.open_layer(layer) as stream, ReadAhead(stream) as ahead:
-            apply_layer(tree, ahead, sink, f"{n} ({layer.digest[:19]})")  # type: ignore[arg-type]
-    return tree
+    """The source's flattened tree with content digests instead of contents."""
+    return build_tree(source, HashSink())
 
 
 def representable_xattrs(node: Node) -> dict[str, bytes]:
