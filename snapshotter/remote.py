@@ -49,7 +49,12 @@ from typing import Any
 from imagetool.format import ANNOTATION_ROLE, BLOB_MEDIA_TYPE, INDEX_MEDIA_TYPE
 from imagetool.stores.base import StoreOptions
 from snapshotter.credentials import Credentials
-from snapshotter.snapshots import RemoteInfo, SnapshotExistsError, SnapshotStore
+from snapshotter.snapshots import (
+    RemoteInfo,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    SnapshotStore,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +201,13 @@ class MountBackend:
         self.config = config
         self.insecure = set(insecure_registries)
         self.credentials = credentials
+        self._locks: dict[Path, threading.RLock] = {}
+        self._locks_lock = threading.Lock()
+
+    def lock(self, mountpoint: Path) -> threading.RLock:
+        """The lock that mounting and unmounting ``mountpoint`` hold."""
+        with self._locks_lock:
+            return self._locks.setdefault(Path(os.path.abspath(mountpoint)), threading.RLock())
 
     def config_for(self, ref: str) -> Any:
         """The mount config for ``ref``: plain HTTP for insecure hosts, merged credentials."""
@@ -213,22 +225,24 @@ class MountBackend:
     def mount(self, ref: str, mountpoint: Path) -> None:
         from snapshotter import mount as mount_mod
 
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        mount_mod.mount(ref, mountpoint, self.config_for(ref))
+        with self.lock(mountpoint):
+            mountpoint.mkdir(parents=True, exist_ok=True)
+            mount_mod.mount(ref, mountpoint, self.config_for(ref))
 
     def unmount(self, mountpoint: Path) -> None:
         from snapshotter import mount as mount_mod
 
-        mount_mod.unmount(mountpoint, self.config)
+        with self.lock(mountpoint):
+            mount_mod.unmount(mountpoint, self.config)
 
     def is_mounted(self, mountpoint: Path) -> bool:
         """Mounted, with a live server (a dead one leaves the kernel mount but gives EIO)."""
-        from snapshotter import mount as mount_mod
+        from snapshotter import state
 
         if not os.path.ismount(mountpoint):
             return False
-        wanted = Path(os.path.abspath(mountpoint))
-        return any(m.mountpoint == wanted and m.alive for m in mount_mod.list_mounts(self.config))
+        record = state.MountRecord.load(state.mount_dir(self.config.state_dir, mountpoint))
+        return record is not None and record.alive
 
 
 class RemoteLayers:
@@ -286,25 +300,56 @@ class RemoteLayers:
         log.info("prepare %r: remote snapshot %s (%s layer)", key, layer.target, layer.role)
         raise SnapshotExistsError(f"remote snapshot {layer.target} is ready")
 
-    def restore(self) -> None:
+    def restore(self) -> int:
         """Remount remote snapshots whose mount is gone (after a reboot or a killed mount
-        server); mounts that survived a daemon restart are left as they are."""
+        server); mounts that survived a daemon restart are left as they are. Returns how
+        many were remounted. Run when the daemon starts and then periodically."""
         assert self.store is not None
+        remounted = 0
         for info in self.store.remote_snapshots():
-            remote = info.remote
-            if remote is None or not remote.mountpoint:
-                continue
-            mountpoint = Path(remote.mountpoint)
-            if self.mounter.is_mounted(mountpoint):
-                log.info("remote snapshot %s: still mounted at %s", info.name, mountpoint)
-                continue
-            log.warning("remote snapshot %s: mount gone, remounting %s", info.name, remote.ref)
             try:
-                if os.path.ismount(mountpoint):  # a dead FUSE connection: clear it first
-                    self.mounter.unmount(mountpoint)
-                self.mounter.mount(remote.ref, mountpoint)
-            except Exception as e:
+                remounted += self._remount_if_gone(info.name)
+            except Exception as e:  # the next check (or a Prepare that needs it) retries
                 log.error("remote snapshot %s: remount failed: %s", info.name, e)
+        return remounted
+
+    def ensure_mounted(self, name: str) -> None:
+        """Remount the remote layers in the chain from snapshot ``name`` up whose mount is
+        gone, so that the mounts a Prepare, View or Mounts hands containerd work (a mount
+        server killed since the last periodic check). Raises if a remount fails."""
+        assert self.store is not None
+        while name:
+            try:
+                info = self.store.stat(name)
+            except SnapshotNotFoundError:
+                return  # the store's own call says so
+            if info.remote is not None and info.remote.mountpoint:
+                self._remount_if_gone(name)
+            name = info.parent
+
+    def _remount_if_gone(self, name: str) -> bool:
+        assert self.store is not None
+        info = self.store.stat(name)
+        if info.remote is None or not info.remote.mountpoint:
+            return False
+        mountpoint = Path(info.remote.mountpoint)
+        if self.mounter.is_mounted(mountpoint):
+            return False
+        # Under the mount point's lock, and only if the snapshot still exists: a Remove
+        # deletes the row first and then unmounts under the same lock.
+        with self.mounter.lock(mountpoint):
+            try:
+                info = self.store.stat(name)
+            except SnapshotNotFoundError:
+                return False
+            remote = info.remote
+            if remote is None or self.mounter.is_mounted(mountpoint):
+                return False
+            log.warning("remote snapshot %s: mount gone, remounting %s", name, remote.ref)
+            # mount() also clears what a dead server left at the mount point.
+            self.mounter.mount(remote.ref, mountpoint)
+        log.info("remote snapshot %s: remounted at %s", name, mountpoint)
+        return True
 
 
 def _credential_sources(configured: Path | None) -> list[Path]:

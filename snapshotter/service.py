@@ -12,9 +12,10 @@ Restarts: the snapshot metadata is in SQLite under the root, and each lazily mou
 served by its own mount server process (``snapshotter.mount``), not by this daemon. So
 stopping the daemon (SIGTERM, upgrade, crash) leaves running containers' file systems
 working; a new daemon finds the same snapshots and mounts. What does *not* survive is a
-reboot or a killed mount server: on start the daemon remounts every remote snapshot whose
-mount is gone (containers started before that point see EIO/ENOTCONN on their lazy lower
-layer and must be restarted; new containers work).
+reboot or a killed mount server: the daemon remounts every remote snapshot whose mount is
+gone when it starts, every ``remount_interval`` seconds, and before a Prepare, View or Mounts
+hands out a chain that holds one (containers started before that point see EIO/ENOTCONN on
+their lazy lower layer and must be restarted; new containers work).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ DEFAULT_ADDRESS = Path("/run/lazyblock/snapshotter.sock")
 # Persistent (not /run): the snapshots of unpacked ordinary layers live here.
 DEFAULT_ROOT = Path("/var/lib/lazyblock/snapshotter")
 DEFAULT_WORKERS = 16
+# Seconds between checks for lost remote mounts: a mount server that died is replaced within
+# this time even if no Prepare asks for its layer.
+DEFAULT_REMOUNT_INTERVAL = 30.0
 # Infos per List response message (containerd streams them).
 LIST_BATCH = 100
 
@@ -71,6 +75,9 @@ class ServiceConfig:
     """``HOST:PORT`` of registries reached over plain HTTP (loopback tests only)."""
     workers: int = DEFAULT_WORKERS
     """gRPC handler threads (mounts of several layers can run at once)."""
+    remount_interval: float = DEFAULT_REMOUNT_INTERVAL
+    """Seconds between checks for remote snapshots whose mount is gone (a killed mount
+    server), which are then remounted; 0: only at start and when a Prepare needs one."""
     mount: MountConfig = field(default_factory=MountConfig)
 
 
@@ -97,7 +104,7 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
     }
     config = build_config(flat)
     own.update({k: v for k, v in overrides.items() if v not in (None, ())})
-    unknown = set(own) - {"address", "root", "insecure_registries", "workers"}
+    unknown = set(own) - {"address", "root", "insecure_registries", "workers", "remount_interval"}
     if unknown:
         raise ConfigError(f"unknown [snapshotter] keys: {', '.join(sorted(unknown))}")
     insecure = own.get("insecure_registries", ())
@@ -108,6 +115,7 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
         root=Path(own.get("root", DEFAULT_ROOT)),
         insecure_registries=tuple(str(h) for h in insecure),
         workers=int(own.get("workers", DEFAULT_WORKERS)),
+        remount_interval=float(own.get("remount_interval", DEFAULT_REMOUNT_INTERVAL)),
         mount=config.mount,
     )
 
@@ -184,16 +192,21 @@ class SnapshotsServicer(pb_grpc.SnapshotsServicer):
         with _Translate(context, f"prepare {request.key!r}"):
             if self.remote is not None:
                 self.remote.prepare(request.key, request.parent, labels)
+                self.remote.ensure_mounted(request.parent)
             mounts = self.store.prepare(request.key, request.parent, labels)
             return pb.PrepareSnapshotResponse(mounts=mounts_to_pb(mounts))
 
     def View(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         with _Translate(context, f"view {request.key!r}"):
+            if self.remote is not None:
+                self.remote.ensure_mounted(request.parent)
             mounts = self.store.view(request.key, request.parent, dict(request.labels))
             return pb.ViewSnapshotResponse(mounts=mounts_to_pb(mounts))
 
     def Mounts(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         with _Translate(context, f"mounts {request.key!r}"):
+            if self.remote is not None:
+                self.remote.ensure_mounted(request.key)
             return pb.MountsResponse(mounts=mounts_to_pb(self.store.mounts(request.key)))
 
     def Commit(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
@@ -290,11 +303,24 @@ def serve(config: ServiceConfig) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if config.remount_interval > 0:
+        threading.Thread(
+            target=_remount_periodically, args=(remote, config.remount_interval, stop),
+            name="lazyblock-remount", daemon=True,
+        ).start()  # fmt: skip
     stop.wait()
     sd_notify("STOPPING=1")
     log.info("stopping; lazily mounted images stay mounted for running containers")
     server.stop(grace=5).wait()
     store.close()
+
+
+def _remount_periodically(remote: Any, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        try:
+            remote.restore()
+        except Exception:  # keep checking; restore logs per snapshot
+            log.exception("periodic remount check failed")
 
 
 # --- command line ----------------------------------------------------------------------------

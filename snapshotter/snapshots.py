@@ -36,6 +36,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -150,6 +151,10 @@ class RemoteMounter(Protocol):
     def unmount(self, mountpoint: Path) -> None: ...
 
     def is_mounted(self, mountpoint: Path) -> bool: ...
+
+    def lock(self, mountpoint: Path) -> AbstractContextManager[object]:
+        """Held while ``mountpoint`` is mounted or unmounted."""
+        ...
 
 
 # --- the store -----------------------------------------------------------------------------

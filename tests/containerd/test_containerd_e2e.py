@@ -203,3 +203,73 @@ def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
         time.sleep(0.2)
     assert mount_mod.list_mounts(config) == []
     assert list((node.snapshotter.root / "data" / "mounts").iterdir()) == []
+
+
+def _kill_mount_servers(node: Containerd) -> list[Path]:
+    """SIGKILL every live mount server of the daemon; returns their mount points."""
+    import os
+    import signal
+
+    from snapshotter import mount as mount_mod
+
+    config = _mount_config(node)
+    live = [m for m in mount_mod.list_mounts(config) if m.alive]
+    for m in live:
+        os.kill(m.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(m.alive for m in mount_mod.list_mounts(config)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [m.mountpoint for m in live]
+
+
+def _alive_at(node: Containerd, mountpoints: list[Path]) -> bool:
+    from snapshotter import mount as mount_mod
+
+    alive = {m.mountpoint for m in mount_mod.list_mounts(_mount_config(node)) if m.alive}
+    return set(mountpoints) <= alive
+
+
+def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> None:
+    from snapshotter import mount as mount_mod
+
+    ref, _ = lazy_image
+    node.cri_pull(ref)
+    run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
+    node.ctr("run", "-d", "--snapshotter", "lazyblock", ref, "victim", "/bin/sleep", "600",
+             namespace=CRI_NAMESPACE)  # fmt: skip
+    try:
+        mountpoints = _kill_mount_servers(node)
+        assert mountpoints
+        # A container running on a dead mount gets errors (EIO/ENOTCONN) for what is not
+        # in the page cache: it must be restarted (deploy/README.md).
+        res = node.ctr("task", "exec", "--exec-id", "e1", "victim", "/bin/cat",
+                       "/app/data.bin", namespace=CRI_NAMESPACE, check=False)  # fmt: skip
+        assert res.returncode != 0
+        node.cleanup_namespace(CRI_NAMESPACE)
+
+        # As after a reboot: nothing mounted, the dead servers' leftovers gone.
+        config = _mount_config(node)
+        for mountpoint in mountpoints:
+            mount_mod.unmount(mountpoint, config)
+        assert not [m for m in mount_mod.list_mounts(config)]
+        node.snapshotter.restart()
+        _wait_reconnected(node)
+        assert _alive_at(node, mountpoints)  # remounted when the daemon started
+        assert node.ctr(*run, "after-restart", namespace=CRI_NAMESPACE).stdout == (
+            "hello from lazyblock\n"
+        )
+        out = node.ctr(*run, "size", "/bin/sh", "-c", "wc -c < /app/data.bin",
+                       namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        assert out.strip() == str(BIG)
+
+        # Killed again, with the daemon up: the Prepare of the next container remounts it
+        # (before the periodic check comes round).
+        mountpoints = _kill_mount_servers(node)
+        assert mountpoints and not _alive_at(node, mountpoints)
+        assert node.ctr(*run, "after-kill", namespace=CRI_NAMESPACE).stdout == (
+            "hello from lazyblock\n"
+        )
+        assert _alive_at(node, mountpoints)
+        assert "mount gone, remounting" in node.snapshotter.log_text()
+    finally:
+        node.cleanup_namespace(CRI_NAMESPACE)

@@ -180,6 +180,34 @@ def test_remote_snapshot_handshake(daemon: Daemon) -> None:
     assert daemon.mounter.mounted == {}
 
 
+def test_lost_remote_mounts_are_remounted(daemon: Daemon) -> None:
+    s = daemon.stub
+    c1, c2 = "sha256:" + "c" * 64, "sha256:" + "d" * 64
+    n1 = _handshake(s, "k8s.io/1/extract-1 " + c1, "", _cri_labels(c1, BLOB))
+    n2 = _handshake(s, "k8s.io/2/extract-2 " + c2, n1, _cri_labels(c2, INDEX))
+    ((mountpoint, ref),) = daemon.mounter.mounted.items()
+    # The mount server died: the periodic check (and a daemon start) remounts it ...
+    daemon.mounter.mounted.clear()
+    assert daemon.remote.restore() == 1
+    assert daemon.mounter.mounted == {mountpoint: ref}
+    assert daemon.remote.restore() == 0  # alive mounts are left alone
+    # ... and so does a Prepare, View or Mounts whose chain holds it, before answering.
+    daemon.mounter.mounted.clear()
+    s.Prepare(pb.PrepareSnapshotRequest(key="k8s.io/3/ctr", parent=n2))
+    assert daemon.mounter.mounted == {mountpoint: ref}
+    daemon.mounter.mounted.clear()
+    s.Mounts(pb.MountsRequest(key="k8s.io/3/ctr"))
+    assert daemon.mounter.mounted == {mountpoint: ref}
+    daemon.mounter.mounted.clear()
+    s.View(pb.ViewSnapshotRequest(key="k8s.io/4/view", parent=n2))
+    assert daemon.mounter.mounted == {mountpoint: ref}
+    # A removed snapshot is not remounted.
+    for key in ("k8s.io/3/ctr", "k8s.io/4/view", n2):
+        s.Remove(pb.RemoveSnapshotRequest(key=key))
+    assert daemon.mounter.mounted == {}
+    assert daemon.remote.restore() == 0 and daemon.mounter.mounted == {}
+
+
 def test_ordinary_layer_with_cri_labels_unpacks_normally(daemon: Daemon) -> None:
     labels = _cri_labels("sha256:" + "e" * 64, ORDINARY, PLAIN_MANIFEST)
     r = daemon.stub.Prepare(pb.PrepareSnapshotRequest(key="k/1/extract", labels=labels))

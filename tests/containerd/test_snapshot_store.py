@@ -3,6 +3,7 @@ persistence across reopen, filters, and the remote-snapshot bookkeeping (fake mo
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ class FakeMounter:
     def __init__(self) -> None:
         self.mounted: dict[Path, str] = {}
         self.fail_unmount = False
+        self._lock = threading.RLock()
 
     def mount(self, ref: str, mountpoint: Path) -> None:
         mountpoint.mkdir(parents=True, exist_ok=True)
@@ -37,6 +39,9 @@ class FakeMounter:
 
     def is_mounted(self, mountpoint: Path) -> bool:
         return mountpoint in self.mounted
+
+    def lock(self, mountpoint: Path) -> threading.RLock:
+        return self._lock
 
 
 @pytest.fixture
