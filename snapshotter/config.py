@@ -11,7 +11,8 @@ Every key is documented in ``deploy/config.toml.example``.
     [mount]     backing, timeout, memory_sectors, read_timeout
     [prefetch]  enabled, background_fetch, bandwidth, batch_sectors, max_cache_fraction
     [fetch]     max_parallel, max_parallel_prefetch, request_timeout, retries, backoff_base,
-                backoff_max, deadline, max_request_bytes, max_stuck_requests
+                backoff_max, deadline, max_request_bytes, max_stuck_requests,
+                timeout_memory
     [store]     plain_http, timeout, retries, docker_config
     [metrics]   listen
 """
@@ -218,6 +219,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "fetch.deadline": (_float, "f.deadline"),
     "fetch.max_request_bytes": (parse_size, "f.max_request_bytes"),
     "fetch.max_stuck_requests": (_int, "f.max_stuck_requests"),
+    "fetch.timeout_memory": (_float, "f.timeout_memory"),
     "store.plain_http": (_bool, "s.plain_http"),
     "store.timeout": (_float, "s.timeout"),
     "store.retries": (_int, "s.retries"),
@@ -242,10 +244,16 @@ def load_config(path: Path | None = None, overrides: dict[str, object] | None = 
         for section, table in doc.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            if section in DAEMON_SECTIONS:
+                continue  # read and checked by ``snapshotter serve`` (service.py)
             for key, value in table.items():
                 flat[f"{section}.{key}"] = value
     flat.update(overrides or {})
     return build_config(flat)
+
+
+# Sections of the same file that belong to the containerd-facing daemon, not to mounts.
+DAEMON_SECTIONS = frozenset({"snapshotter"})
 
 
 def build_config(flat: dict[str, object]) -> Config:

@@ -61,3 +61,21 @@ def test_example_documents_every_key() -> None:
         elif "=" in line and section:
             documented.add(f"{section}.{line.split('=')[0].strip().lstrip('# ')}")
     assert set(KEYS) <= documented
+
+
+def test_one_file_for_mounts_and_the_daemon() -> None:
+    from snapshotter.service import (
+        DEFAULT_ADDRESS,
+        DEFAULT_REMOUNT_INTERVAL,
+        DEFAULT_ROOT,
+        DEFAULT_WORKERS,
+        load_service_config,
+    )
+
+    service = load_service_config(EXAMPLE, {})
+    assert (service.address, service.root) == (DEFAULT_ADDRESS, DEFAULT_ROOT)
+    assert service.workers == DEFAULT_WORKERS
+    assert service.remount_interval == DEFAULT_REMOUNT_INTERVAL
+    assert service.insecure_registries == () and service.mount == MountConfig()
+    # the mount commands read the same file and leave [snapshotter] to the daemon
+    assert load_config(EXAMPLE).mount == MountConfig()
