@@ -6,9 +6,11 @@ error (``serve``); 2 bad usage or a runtime error (``Type: message`` on stderr).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +22,7 @@ log = logging.getLogger("runtime")
 
 _dir = click.Path(path_type=Path, file_okay=False)
 _existing_dir = click.Path(path_type=Path, exists=True, file_okay=False)
+_PYTHON_HELP = "Interpreter that has vLLM (default: this one, else runtime/.venv-vllm)."
 
 
 class _Group(click.Group):
@@ -84,6 +87,19 @@ def quantize(model_dir: Path, out_dir: Path, keep: tuple[str, ...], overwrite: b
 @click.option("--threads", type=int, default=None, help="torch CPU threads.")
 @click.option("--ref-url", default=None, help="Score the reference on this vLLM server.")
 @click.option("--candidate-url", default=None, help="Score the candidate on this vLLM server.")
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "vllm"]),
+    default="transformers",
+    show_default=True,
+    help="vllm: start vLLM (as `serve` would) for each side in turn, stop it when done.",
+)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="With --engine vllm: vLLM's GPU or CPU settings.")  # fmt: skip
+@click.option("--python", "python_", default=None, help=_PYTHON_HELP)
+@click.option("--startup-timeout", type=float, default=900.0, show_default=True)
+@click.option("--engine-log", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="vLLM's output (default: stderr).")  # fmt: skip
 @click.option("--report", type=click.Path(path_type=Path, dir_okay=False), default=None)
 def evaluate(
     ref_dir: Path,
@@ -99,6 +115,11 @@ def evaluate(
     threads: int | None,
     ref_url: str | None,
     candidate_url: str | None,
+    engine: str,
+    device: str,
+    python_: str | None,
+    startup_timeout: float,
+    engine_log: Path | None,
     report: Path | None,
 ) -> None:
     """Quality gate: compare CANDIDATE_DIR with REF_DIR; exit 1 if it fails."""
@@ -117,7 +138,25 @@ def evaluate(
         emulate_activations=not weights_only,
         thresholds=GateThresholds(min_exact_match, min_token_agreement, max_logprob_gap),
     )
-    r = run_eval(ref_dir, candidate_dir, prompts, cfg, ref_url=ref_url, cand_url=candidate_url)
+    launch = None
+    if engine == "vllm":
+        from .launch import vllm_python
+
+        launch = _eval_launcher(device, python_ or vllm_python(), startup_timeout)
+    # SIGTERM unwinds like Ctrl-C, so a started engine is stopped on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(engine_log.open("ab")) if engine_log else sys.stderr
+        r = run_eval(
+            ref_dir,
+            candidate_dir,
+            prompts,
+            cfg,
+            ref_url=ref_url,
+            cand_url=candidate_url,
+            launch=launch,
+            engine_out=out,
+        )
     if report:
         report.write_text(json.dumps(r.to_dict(), indent=2) + "\n")
     click.echo(
@@ -132,6 +171,28 @@ def evaluate(
     sys.exit(1)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    sys.exit(128 + signum)
+
+
+def _eval_launcher(device: str, python: str, startup_timeout: float):
+    """The engine for one side of ``evaluate --engine vllm``: ``serve``'s settings on a free
+    loopback port, a small warm-up."""
+    from .launch import EngineConfig, FrontConfig, ServeConfig, free_port
+
+    def launch(model_dir: Path) -> ServeConfig:
+        if device == "cpu":
+            engine = EngineConfig.for_cpu(model_dir, python=python)
+        else:
+            engine = EngineConfig(model_dir=model_dir, python=python)
+        front = FrontConfig(
+            engine_port=free_port(), startup_timeout_s=startup_timeout, warmup_requests=2
+        )
+        return ServeConfig(engine=engine, front=front)
+
+    return launch
+
+
 @main.command()
 @click.argument("model_dir", type=_existing_dir)
 @click.option("--host", default="0.0.0.0", show_default=True)
@@ -139,7 +200,7 @@ def evaluate(
 @click.option("--engine-port", type=int, default=8100, show_default=True)
 @click.option("--served-model-name", default="model", show_default=True)
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
-@click.option("--python", "python_", default=sys.executable, help="Interpreter that has vLLM.")
+@click.option("--python", "python_", default=None, help=_PYTHON_HELP)
 @click.option("--api-server-count", type=int, default=None)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None)
@@ -163,7 +224,7 @@ def serve(
     engine_port: int,
     served_model_name: str,
     device: str,
-    python_: str,
+    python_: str | None,
     api_server_count: int | None,
     max_num_seqs: int | None,
     max_model_len: int | None,
@@ -216,6 +277,22 @@ def serve(
         engine_command=tuple(shlex.split(engine_command)) if engine_command else None,
     )
     sys.exit(run_serve(cfg))
+
+
+@main.command("warm-up")
+@click.argument("url", default="http://127.0.0.1:8000")
+@click.option("--requests", "n", type=int, default=8, show_default=True)
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for /health before failing.")  # fmt: skip
+@click.option("--served-model-name", default="model", show_default=True)
+def warm_up(url: str, n: int, timeout: float, served_model_name: str) -> None:
+    """Wait for the vLLM server at URL to be healthy, then send it a warm-up batch; exit 0 when
+    it went through. For vLLM owning the port without `serve`'s front (a startup probe)."""
+    from .launch import FrontConfig
+    from .launch import warm_up as run_warm_up
+
+    run_warm_up(url, FrontConfig(startup_timeout_s=timeout, warmup_requests=n), served_model_name)
+    click.echo("warm")
 
 
 @main.command("build-image")

@@ -12,20 +12,27 @@ with teacher forcing (one forward pass over prompt + continuation). Reported:
 release fails on a non-zero exit of ``runtime evaluate``.
 
 Models run behind ``Backend``: ``TransformersBackend`` on CPU (FP8 weights dequantized, FP8
-activations emulated: ``runtime.loader``), or ``OpenAIBackend`` against a vLLM server that
-``runtime serve`` started (GPU, or vLLM's CPU backend). Both models share one tokenizer.
+activations emulated: ``runtime.loader``), or ``OpenAIBackend`` against a vLLM server: one
+already running (``runtime serve``), or one that ``evaluate`` starts for each side in turn
+with the launcher's ``running_engine`` (GPU, or vLLM's CPU backend), so only one model is
+loaded at a time. Both models share one tokenizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import EvaluationError
 from .prompts import Prompt
+
+if TYPE_CHECKING:
+    from .launch import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,26 +110,44 @@ def gate(
     return tuple(fails)
 
 
-def compare(
-    ref: Backend,
-    cand: Backend,
-    encode,
-    decode,
-    prompts: list[Prompt],
-    config: EvalConfig = EvalConfig(),
+@dataclass(frozen=True)
+class SideRun:
+    """One model's part of the gate, per prompt: its greedy output and its teacher-forced
+    scores of the reference's output (``None`` where that output is empty)."""
+
+    outputs: tuple[tuple[int, ...], ...]
+    scores: tuple[Scores | None, ...]
+
+
+def run_side(
+    backend: Backend,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    ref_outputs: tuple[tuple[int, ...], ...] | None = None,
+) -> SideRun:
+    """Run one model over every prompt. The reference scores its own outputs; a candidate
+    scores the reference's (``ref_outputs``). One model at a time, so the two sides can run
+    one after the other on one machine (an engine each)."""
+    outputs, scores = [], []
+    for i, ids in enumerate(prompt_ids):
+        out = tuple(backend.generate(ids, max_new_tokens))
+        target = out if ref_outputs is None else ref_outputs[i]
+        outputs.append(out)
+        scores.append(backend.score(ids, list(target)) if target else None)
+    return SideRun(outputs=tuple(outputs), scores=tuple(scores))
+
+
+def report(
+    prompts: list[Prompt], ref: SideRun, cand: SideRun, decode, config: EvalConfig
 ) -> EvalReport:
-    """Run the gate with two backends; ``encode``/``decode`` are the shared tokenizer's."""
-    if not prompts:
-        raise EvaluationError("no prompts")
+    """The metrics and the gate's verdict from both sides' runs (pure)."""
     results = []
     agree_n = tok_n = 0
     gap_sum = 0.0
-    for p in prompts:
-        ids = encode(p.prompt)
-        r_out = ref.generate(ids, config.max_new_tokens)
-        c_out = cand.generate(ids, config.max_new_tokens)
+    for p, r_out, c_out, rs, cs in zip(
+        prompts, ref.outputs, cand.outputs, ref.scores, cand.scores, strict=True
+    ):
         if r_out:
-            rs, cs = ref.score(ids, r_out), cand.score(ids, r_out)
             agree = sum(a == b for a, b in zip(rs.top1, cs.top1, strict=True))
             gap = sum(abs(a - b) for a, b in zip(rs.logprobs, cs.logprobs, strict=True))
         else:
@@ -133,8 +158,8 @@ def compare(
         results.append(
             PromptResult(
                 id=p.id,
-                reference=decode(r_out),
-                candidate=decode(c_out),
+                reference=decode(list(r_out)),
+                candidate=decode(list(c_out)),
                 exact=r_out == c_out,
                 tokens=len(r_out),
                 agreement=agree / len(r_out) if r_out else 1.0,
@@ -158,6 +183,23 @@ def compare(
         thresholds=config.thresholds,
         results=tuple(results),
     )
+
+
+def compare(
+    ref: Backend,
+    cand: Backend,
+    encode,
+    decode,
+    prompts: list[Prompt],
+    config: EvalConfig = EvalConfig(),
+) -> EvalReport:
+    """Run the gate with two backends; ``encode``/``decode`` are the shared tokenizer's."""
+    if not prompts:
+        raise EvaluationError("no prompts")
+    ids = [encode(p.prompt) for p in prompts]
+    r = run_side(ref, ids, config.max_new_tokens)
+    c = run_side(cand, ids, config.max_new_tokens, r.outputs)
+    return report(prompts, r, c, decode, config)
 
 
 class TransformersBackend:
@@ -222,6 +264,12 @@ class OpenAIBackend:
         self.model = model
         self.client = httpx.Client(base_url=url, timeout=timeout)
 
+    def __enter__(self) -> OpenAIBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+
     def _complete(self, body: dict) -> dict:
         import httpx
 
@@ -257,6 +305,29 @@ class OpenAIBackend:
         return Scores(logprobs=tuple(lps), top1=tuple(top1))
 
 
+# Where a side's model runs: given its checkpoint, a ``ServeConfig`` for an engine to start.
+LaunchFor = Callable[[Path], "ServeConfig"]
+
+
+@contextlib.contextmanager
+def _backend(
+    model_dir: Path, url: str | None, launch: LaunchFor | None, config: EvalConfig, engine_out
+) -> Iterator[Backend]:
+    if url:
+        with OpenAIBackend(url) as b:
+            yield b
+    elif launch:
+        from .launch import running_engine
+
+        cfg = launch(model_dir)
+        log.info("starting an engine for %s", model_dir)
+        with running_engine(cfg, stdout=engine_out) as eng:
+            with OpenAIBackend(eng.url, cfg.engine.served_model_name) as b:
+                yield b
+    else:
+        yield TransformersBackend.load(model_dir, config)
+
+
 def evaluate(
     ref_dir: Path,
     cand_dir: Path,
@@ -265,22 +336,25 @@ def evaluate(
     *,
     ref_url: str | None = None,
     cand_url: str | None = None,
+    launch: LaunchFor | None = None,
+    engine_out=None,
 ) -> EvalReport:
-    """Compare two checkpoints: on CPU with transformers, or, for a side given a URL, with
-    the vLLM server there (serving that side's checkpoint as model "model")."""
+    """Compare two checkpoints. Each side runs, in turn (reference first), on the vLLM server
+    at its URL if given (serving that side's checkpoint as model "model"); else, with
+    ``launch``, on an engine started for it (``runtime.launch.running_engine``: ready after
+    warm-up, stopped with all its processes when the side is done, errors and Ctrl-C
+    included; ``engine_out`` gets its output); else with transformers on CPU."""
     from .loader import load_tokenizer
 
+    if not prompts:
+        raise EvaluationError("no prompts")
     tok = load_tokenizer(ref_dir)
     cand_tok = load_tokenizer(cand_dir)
     if tok.get_vocab() != cand_tok.get_vocab():
         raise EvaluationError("reference and candidate tokenizers differ")
-    ref = OpenAIBackend(ref_url) if ref_url else TransformersBackend.load(ref_dir, config)
-    cand = OpenAIBackend(cand_url) if cand_url else TransformersBackend.load(cand_dir, config)
-    return compare(
-        ref,
-        cand,
-        lambda s: tok(s)["input_ids"],
-        lambda ids: tok.decode(ids, skip_special_tokens=True),
-        prompts,
-        config,
-    )
+    ids = [tok(p.prompt)["input_ids"] for p in prompts]
+    with _backend(ref_dir, ref_url, launch, config, engine_out) as ref:
+        r = run_side(ref, ids, config.max_new_tokens)
+    with _backend(cand_dir, cand_url, launch, config, engine_out) as cand:
+        c = run_side(cand, ids, config.max_new_tokens, r.outputs)
+    return report(prompts, r, c, lambda t: tok.decode(t, skip_special_tokens=True), config)

@@ -5,8 +5,10 @@
 Each worker sends grammar-correction prompts from the shipped set (~50 tokens in, ``--max-tokens``
 out, greedy) back to back. Prints requests/s, output tokens/s and latency percentiles. On an
 H100 with an FP8 checkpoint this is the check of the tuned settings (API servers, async
-scheduling, CUDA graphs, batch size); it also measures what the front's proxy hop costs when
-pointed at the engine port directly (``--url http://127.0.0.1:8100``).
+scheduling, CUDA graphs, batch size); pointed at the engine port (``--url
+http://127.0.0.1:8100``) it gives the same figures without the front. The front's own cost
+per request is measured apart, against a lean stand-in engine: ``front.py``. At high QPS this
+Python client can itself be the limit: watch its CPU, or use ``vllm bench serve``.
 """
 
 from __future__ import annotations

@@ -228,3 +228,76 @@ def test_print_command(tiny_fp8: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "--quantization compressed-tensors" in r.output and "--enforce-eager" in r.output
     json.dumps(r.output)
+
+
+def _standin_cfg(model: Path, tmp: Path, *engine_args: str) -> tuple[object, Path]:
+    from runtime.launch import FrontConfig, ServeConfig
+
+    pid_file = tmp / "engine.pid"
+    cmd = (sys.executable, str(STANDIN), "--port", "{port}", "--pid-file", str(pid_file))
+    cfg = ServeConfig(
+        engine=EngineConfig(model_dir=model),
+        front=FrontConfig(engine_port=free_port(), startup_timeout_s=30, warmup_requests=2),
+        engine_command=cmd + engine_args,
+    )
+    return cfg, pid_file
+
+
+@pytest.mark.integration
+def test_running_engine_stops_engine_when_the_block_fails(tiny_model: Path, tmp_path) -> None:
+    from runtime.launch import running_engine
+
+    cfg, _ = _standin_cfg(tiny_model, tmp_path, "--startup-delay", "0.5")
+    with pytest.raises(RuntimeError, match="boom"), running_engine(cfg) as eng:
+        assert _complete(eng.url).status_code == 200  # healthy and warmed up
+        pid = eng.pid
+        raise RuntimeError("boom")
+    assert not _alive(pid)
+
+
+@pytest.mark.integration
+def test_running_engine_failed_warmup(tiny_model: Path, tmp_path: Path) -> None:
+    from runtime.errors import LaunchError
+    from runtime.launch import running_engine
+
+    cfg, pid_file = _standin_cfg(tiny_model, tmp_path, "--fail-completions")
+    with pytest.raises(LaunchError, match="warm-up failed"), running_engine(cfg):
+        pass
+    assert not _alive(int(pid_file.read_text()))
+
+
+@pytest.mark.integration
+def test_engine_gets_sigterm_when_the_launcher_is_killed(launcher) -> None:
+    """SIGKILL leaves no cleanup code to run: the kernel's parent-death signal stops the engine."""
+    la = launcher()
+    la.wait_status("/ready", 200)
+    pid = la.engine_pid()
+    la.proc.kill()
+    la.proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the engine outlived its launcher"
+        time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_warm_up_command_for_an_engine_we_did_not_start(tmp_path: Path) -> None:
+    """``runtime warm-up URL``: the startup probe when vLLM owns the port (no front)."""
+    from click.testing import CliRunner
+
+    from runtime.cli import main
+
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, str(STANDIN), "--port", str(port), "--startup-delay", "0.5"]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        r = CliRunner().invoke(main, ["warm-up", url, "--requests", "3", "--timeout", "30"])
+        assert r.exit_code == 0 and "warm" in r.output, r.output
+        assert httpx.get(url + "/stats").json()["completions"] == 3
+    finally:
+        engine.terminate()
+        engine.wait()
+    r = CliRunner().invoke(main, ["warm-up", url, "--timeout", "0.5"])
+    assert r.exit_code == 2 and "LaunchError: engine not healthy" in r.output, r.output

@@ -6,6 +6,7 @@ minutes to start on two cores.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -84,6 +85,14 @@ def test_fp8_checkpoint_serves_in_vllm_and_drains(tiny_fp8: Path, tmp_path: Path
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         served = r.json()["choices"][0]["text"]
+        # streaming passes through the front as server-sent events, chunk by chunk
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120
+        ) as sr:
+            assert sr.status_code == 200
+            events = [ln[6:] for ln in sr.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == served
         # the same checkpoint, dequantized in transformers with FP8 activations emulated
         tok = load_tokenizer(tiny_fp8)
         cpu = TransformersBackend.load(tiny_fp8, EvalConfig())
