@@ -18,8 +18,8 @@ from aiohttp import web
 
 from serving.autoscaler import (
     Autoscaler,
-    ConcurrencyMeter,
     KubeDeploymentActuator,
+    LoadMeter,
     LocalPoolActuator,
     default_runtime_command,
 )
@@ -257,7 +257,11 @@ def _policy(kw) -> ScalingPolicy:
 )
 @click.option("--kubeconfig", type=click.Path(dir_okay=False))
 def autoscaler(kube_deployment, kube_service, routers, runtime_command, kubeconfig, **kw):
-    """Scale runtime pods on concurrency: up fast, down slowly (local pool by default)."""
+    """Scale runtime pods on concurrency and demand: up fast, down slowly (local pool by default).
+
+    Concurrency and arrival rate come from the routers (--routers: every worker's metrics URL)
+    or else the pods; the service time that turns the arrival rate into demand always comes
+    from the pods (--kube-service, or the local pool)."""
     policy = _policy(kw)
 
     async def run():
@@ -282,11 +286,13 @@ def autoscaler(kube_deployment, kube_service, routers, runtime_command, kubeconf
         else:
             actuator = LocalPoolActuator(runtime_command or default_runtime_command(), store=store)
             await actuator.scale(policy.min_replicas)
-        if routers:
-            urls = _urls(routers)
-            meter = ConcurrencyMeter(lambda: urls, kind="routers")
-        else:
-            meter = ConcurrencyMeter(lambda: [e.url for e in store.endpoints if e.serving])
+        # pods give the service time (and, without routers, everything); routers, when
+        # given, the concurrency and arrival rate of all traffic
+        urls = _urls(routers) if routers else ()
+        meter = LoadMeter(
+            lambda: [e.url for e in store.endpoints if e.serving],
+            (lambda: urls) if routers else None,
+        )
         scaler = Autoscaler(policy, meter, actuator, tick_s=kw["tick"])
         try:
             await scaler.run()
@@ -326,7 +332,7 @@ def up(listen, eds_listen, workers, runtime_command, **kw):
             target=serve, args=(rcfg,), daemon=False
         )
         router_proc.start()
-        meter = ConcurrencyMeter(lambda: [e.url for e in store.endpoints if e.serving])
+        meter = LoadMeter(lambda: [e.url for e in store.endpoints if e.serving])
         scaler = Autoscaler(policy, meter, pool, tick_s=kw["tick"])
         log.warning("serving up: router on %s, EDS on %s", listen, eds_url)
         try:

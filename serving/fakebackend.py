@@ -6,7 +6,9 @@ It speaks the parts of vLLM's API the serving stack relies on:
   events, one chunk per token, then ``data: [DONE]``), answering after a service time drawn
   from a distribution (constant, exponential or lognormal) and optionally a per-token delay;
 * ``GET /metrics`` with ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
-  (``max_running`` requests run at once; the rest wait, as in vLLM's scheduler);
+  (``max_running`` requests run at once; the rest wait, as in vLLM's scheduler),
+  ``vllm:request_success_total`` and the ``vllm:request_inference_time_seconds`` histogram
+  (time running, queueing excluded: what the autoscaler's demand estimate needs);
 * ``GET /health`` (503 until ``startup_s`` has passed, like vLLM before warm-up ends);
 * graceful drain on SIGTERM (stop accepting, finish in-flight requests);
 * ``POST /admin/fail`` ``{"status": 500, "count": 3}`` makes the next requests fail, and
@@ -68,6 +70,8 @@ def make_backend_app(cfg: BackendConfig) -> web.Application:
     rng = random.Random(cfg.seed)
     sem = asyncio.Semaphore(cfg.max_running)
     state = {"inflight": 0, "running": 0, "requests": 0, "fail_status": 0, "fail_count": 0}
+    #: finished requests and their total time running (vllm:request_inference_time_seconds)
+    served = {"count": 0, "seconds": 0.0}
     started = time.monotonic()
     headers = {"x-backend": cfg.name}
 
@@ -88,13 +92,18 @@ def make_backend_app(cfg: BackendConfig) -> web.Application:
         try:
             async with sem:
                 state["running"] += 1
+                t0 = time.monotonic()
                 try:
                     t = draw(cfg, rng)
                     if req.get("stream"):
-                        return await _stream(request, req, chat, t)
-                    if t > 0:
-                        await asyncio.sleep(t)
-                    return web.json_response(_answer(req, chat), headers=headers)
+                        resp = await _stream(request, req, chat, t)
+                    else:
+                        if t > 0:
+                            await asyncio.sleep(t)
+                        resp = web.json_response(_answer(req, chat), headers=headers)
+                    served["count"] += 1
+                    served["seconds"] += time.monotonic() - t0
+                    return resp
                 finally:
                     state["running"] -= 1
         finally:
@@ -146,6 +155,15 @@ def make_backend_app(cfg: BackendConfig) -> web.Application:
             f'vllm:num_requests_running{{model_name="{m}"}} {float(running)}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
             f'vllm:num_requests_waiting{{model_name="{m}"}} {float(waiting)}\n'
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{finished_reason="stop",model_name="{m}"}} '
+            f"{float(served['count'])}\n"
+            "# TYPE vllm:request_inference_time_seconds histogram\n"
+            f'vllm:request_inference_time_seconds_bucket{{le="+Inf",model_name="{m}"}} '
+            f"{float(served['count'])}\n"
+            f'vllm:request_inference_time_seconds_count{{model_name="{m}"}} '
+            f"{float(served['count'])}\n"
+            f'vllm:request_inference_time_seconds_sum{{model_name="{m}"}} {served["seconds"]}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 

@@ -21,12 +21,18 @@ One exchange, step by step
 
 Failures
     A connection that could not be established never carried a byte: the dispatcher may
-    retry elsewhere (:meth:`Dispatcher.connect_failed`). A connection lost before the
-    response head, a malformed head, or a timeout may have reached the backend: the client
-    gets 502 (504 for a timeout), and the dispatcher counts a failure. A backend that breaks
-    off mid-body is a failure too; the client's connection is then closed, so it sees a
-    truncated answer rather than a wrong one. A client that goes away aborts its backend
-    connection (the backend sees the disconnect, as vLLM expects to cancel generation).
+    retry elsewhere (:meth:`Dispatcher.connect_failed`). A *pooled* connection that the
+    backend closes before any byte of the answer is, almost always, one whose idle timeout
+    crossed our request (the backend closed it without reading it): the request is sent
+    again, once, on a new connection to the same backend, and this is not a failure. (A
+    backend that died while working on it gets the request again too, and then refuses the
+    connection, which is a connect failure; completion requests are safe to run twice.) Any
+    other connection lost before the response head, a malformed head, or a timeout may have
+    reached the backend: the client gets 502 (504 for a timeout), and the dispatcher counts a
+    failure. A backend that breaks off mid-body is a failure too; the client's connection is
+    then closed, so it sees a truncated answer rather than a wrong one. A client that goes
+    away aborts its backend connection (the backend sees the disconnect, as vLLM expects to
+    cancel generation).
 
 Per request the data path allocates a request head, the re-framed request bytes and a response
 head: no tasks, futures or timers (timeouts are enforced by the router's periodic sweep).
@@ -111,6 +117,9 @@ class Dispatcher:
     def on_error(self, conn: ClientConn, kind: str, now: float) -> None:
         """The exchange with ``conn.backend`` failed after connecting (before release)."""
 
+    def on_resend(self, conn: ClientConn) -> None:
+        """``conn``'s request goes again to ``conn.backend``: a pooled connection was stale."""
+
     def release(self, conn: ClientConn) -> None:
         """``conn.backend`` no longer carries ``conn``'s request."""
 
@@ -146,6 +155,7 @@ class Pool:
             c.transport.close()
             return
         c.idle_since = now
+        c.reused = True
         self.idle.append(c)
 
     def discard(self, c: UpstreamConn) -> None:
@@ -191,6 +201,8 @@ class UpstreamConn(asyncio.Protocol):
         "until_close",
         "idle_since",
         "paused",
+        "reused",
+        "got",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -206,6 +218,10 @@ class UpstreamConn(asyncio.Protocol):
         self.until_close = False
         self.idle_since = 0.0
         self.paused = False
+        #: the current exchange is not the connection's first (it came from the pool)
+        self.reused = False
+        #: a byte of the current exchange's response arrived
+        self.got = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -214,6 +230,7 @@ class UpstreamConn(asyncio.Protocol):
     def start(self, client: ClientConn, msg: bytes, *, head_request: bool, reuse: bool) -> None:
         self.client = client
         client.upstream = self
+        self.got = False
         self.state = _HEAD
         self.buf = b""
         self.head_request = head_request
@@ -246,6 +263,7 @@ class UpstreamConn(asyncio.Protocol):
         if client is None:  # bytes on an idle connection: the backend is confused
             self.transport.close()
             return
+        self.got = True
         if self.state == _BODY:
             self._body(client, data)
             return
@@ -357,8 +375,15 @@ class UpstreamConn(asyncio.Protocol):
             self.state = _IDLE
             client.exchange_done()
             return
+        stale = self.reused and not self.got
         self.state = _IDLE
-        client.upstream_failed("error")
+        if stale:
+            # a pooled connection the backend closed as we sent on it: its idle timeout and
+            # our request crossed, so it never read the request; send it again, once, on a new
+            # connection
+            client.upstream_stale(self.pool)
+        else:
+            client.upstream_failed("error")
 
 
 class ClientConn(asyncio.Protocol):
@@ -384,6 +409,7 @@ class ClientConn(asyncio.Protocol):
         "head_request",
         "connecting",
         "retried",
+        "resent",
         "answered",
         "t0",
         "t1",
@@ -414,6 +440,8 @@ class ClientConn(asyncio.Protocol):
         #: the task connecting to the backend (held here: a running task needs a reference)
         self.connecting: asyncio.Task | None = None
         self.retried = False
+        #: the request was sent again after a stale pooled connection
+        self.resent = False
         #: response bytes went to the client for the current exchange
         self.answered = False
         self.t0 = 0.0
@@ -552,6 +580,7 @@ class ClientConn(asyncio.Protocol):
             tail = req.fields + b"\r\n"
         self.msg = (line, tail)
         self.retried = False
+        self.resent = False
 
     def send(self, backend, pool: Pool) -> None:
         """Send the prepared request to ``backend`` (already counted in flight)."""
@@ -593,6 +622,19 @@ class ClientConn(asyncio.Protocol):
             router.release(self)
             return
         up.start(self, msg, head_request=self.head_request, reuse=reuse)
+
+    def upstream_stale(self, pool: Pool) -> None:
+        """The pooled connection was closed by the backend before any byte of an answer."""
+        self.upstream = None
+        if self.resent or self.closed or self.backend is None:
+            self.upstream_failed("error")
+            return
+        self.resent = True
+        self.router.on_resend(self)
+        line, tail = self.msg
+        msg = line + pool.host_field + tail
+        reuse = line[-3] == 0x31
+        self.connecting = self.router.loop.create_task(self._connect(pool, msg, reuse))
 
     def on_head(self, resp: ResponseHead) -> None:
         self.answered = True

@@ -21,9 +21,13 @@ medians over rounds, so every target sees the same machine state on average:
 
 The direct baseline uses a port of its own (same process, same distribution), not one of the
 proxies' backends: the router would otherwise see the baseline's load in its load reports.
-``--aiohttp-router c9d09de`` adds the router as first committed (aiohttp) as a fifth target.
+``--aiohttp-router c9d09de`` adds the router as first committed (aiohttp) as a fifth target;
+``--two-workers [CPUS]`` adds the router with two worker processes on one port
+(``SO_REUSEPORT``) on CPUS (default ``0,1``: on a 2-core machine they share the cores with the
+load generator and the backends).
 
     python benchmarks/serving/live.py [--rounds 6] [--seconds 4] [--aiohttp-router c9d09de]
+        [--two-workers 0,1]
 
 Needs wrk, nginx, haproxy, taskset on PATH (Debian: ``apt-get install -y nginx haproxy wrk``).
 """
@@ -150,10 +154,11 @@ def start_proxy(
             f"r.serve(r.RouterConfig(host='127.0.0.1', port={port}, backends={urls!r}))"
         )
         return subprocess.Popen([*pin(cpu), sys.executable, "-c", code], cwd=ROOT, **quiet)
-    if kind == "router":
+    if kind in ("router", "router-2w"):
         urls = ",".join(f"http://127.0.0.1:{b}" for b in backends)
+        workers = "2" if kind == "router-2w" else "1"
         cmd = [*pin(cpu), sys.executable, "-m", "serving.cli", "router"]
-        cmd += ["--listen", f"127.0.0.1:{port}", "--backends", urls, "--workers", "1"]
+        cmd += ["--listen", f"127.0.0.1:{port}", "--backends", urls, "--workers", workers]
         return subprocess.Popen(cmd, cwd=ROOT, **quiet)
     if kind == "nginx":
         servers = "\n".join(f"    server 127.0.0.1:{b};" for b in backends)
@@ -259,9 +264,17 @@ def main() -> None:
         metavar="COMMIT",
         help="also measure serving/router.py of this commit (c9d09de: the aiohttp router)",
     )
+    ap.add_argument(
+        "--two-workers",
+        metavar="CPUS",
+        nargs="?",
+        const="0,1",
+        help="also measure the router with 2 workers (SO_REUSEPORT) on these CPUs (default 0,1)",
+    )
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args()
     targets = TARGETS + (("aiohttp-router",) if a.aiohttp_router else ())
+    targets += ("router-2w",) if a.two_workers else ()
     for tool in ("wrk", "nginx", "haproxy", "taskset"):
         if not shutil.which(tool):
             sys.exit(f"needs {tool} on PATH")
@@ -310,7 +323,8 @@ def main() -> None:
             wait_port(p)
         for kind in targets[1:]:
             tports[kind] = free_port()
-            procs[kind] = start_proxy(kind, tports[kind], ports, tmp, pcpu)
+            cpu = (a.two_workers or None) if kind == "router-2w" else pcpu
+            procs[kind] = start_proxy(kind, tports[kind], ports, tmp, cpu)
         for kind in targets[1:]:
             wait_port(tports[kind])
         pids = {k: [p.pid] for k, p in procs.items()}
@@ -381,9 +395,11 @@ def summarize(results: dict, a) -> None:
         "# Live loopback benchmark",
         "",
         f"`python benchmarks/serving/live.py --rounds {a.rounds} --seconds {a.seconds}"
-        f"{' --aiohttp-router ' + a.aiohttp_router if a.aiohttp_router else ''}`: {a.backends} emulated backends "
+        f"{' --aiohttp-router ' + a.aiohttp_router if a.aiohttp_router else ''}"
+        f"{' --two-workers ' + a.two_workers if a.two_workers else ''}`: {a.backends} emulated backends "
         f"(`fastbackend.py`, lognormal service time, mean {a.service_ms} ms, sigma 0.5); router, nginx and HAProxy "
-        f"with one worker each, pinned to CPU {results['proxy_cpu']}; wrk -t1 and the backends on CPU {results['load_cpu']}. "
+        f"with one worker each, pinned to CPU {results['proxy_cpu']}; wrk -t1 and the backends on CPU {results['load_cpu']}"
+        f"{'; router-2w: the router with 2 workers (SO_REUSEPORT) on CPUs ' + a.two_workers if a.two_workers else ''}. "
         f"{results['cpus']} CPUs, shared with other work (load average {' '.join(results['loadavg_at_start'])} at the start, "
         f"{' '.join(results['loadavg_at_end'])} at the end). "
         f"Targets measured in interleaved rounds, {a.seconds} s each; medians over {a.rounds} rounds.",
