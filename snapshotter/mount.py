@@ -8,7 +8,10 @@ This is what the CLI and the containerd-facing service call; it is stable::
     unmount(Path("/mnt/app"), config)                                # idempotent
 
 Each mount is served by its own long-lived process (``snapshotter.mountd``), started detached
-here, so the caller may exit or restart without disturbing running containers. ``mount``
+here, so the caller may exit or restart without disturbing running containers: forked from
+the pre-imported fork server of this context (``snapshotter.forkserver``), which spares it
+the interpreter's start and imports, or, when there is none yet (the first mount), as a new
+interpreter, after which the fork server is started for the mounts that follow. ``mount``
 returns once that server reports the tree browsable (index verified, metadata sectors local,
 erofs mounted). Everything a later process needs to find and clean up a mount is recorded
 under ``config.state_dir`` (``snapshotter.state``), so ``unmount`` also works after the
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snapshotter import control, kernel, state
+from snapshotter import control, forkserver, kernel, state
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
 
@@ -109,10 +112,18 @@ class MountInfo:
 
 
 def mount(
-    ref: str, mountpoint: Path, config: MountConfig, *, log_level: int = logging.INFO
+    ref: str,
+    mountpoint: Path,
+    config: MountConfig,
+    *,
+    log_level: int = logging.INFO,
+    fork_server: bool = True,
 ) -> MountInfo:
     """Mount image ``ref`` read-only at ``mountpoint`` (an existing directory), served by a
-    new detached server process. Returns when the tree is browsable."""
+    new detached server process. Returns when the tree is browsable.
+
+    ``fork_server=False`` starts the server as a new interpreter rather than forking it
+    from the fork server (slower; for callers that import other code than they run)."""
     mountpoint = Path(os.path.abspath(mountpoint))
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)
@@ -133,16 +144,9 @@ def mount(
     read_end, write_end = os.pipe()
     try:
         with open(directory / state.LOG_FILE, "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "snapshotter.mountd", "--ready-fd", str(write_end)],
-                stdin=subprocess.PIPE, stdout=logf, stderr=logf, pass_fds=(write_end,),
-                start_new_session=True, cwd="/",
-            )  # fmt: skip
+            server = _start_server(request, logf.fileno(), write_end, fork_server)
         os.close(write_end)
         write_end = -1
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(request).encode())
-        proc.stdin.close()
         answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)
     finally:
         os.close(read_end)
@@ -150,9 +154,9 @@ def mount(
             os.close(write_end)
     if answer is None or not answer.get("ok"):
         if answer is None:
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(SERVER_EXIT_TIMEOUT)
+            server.kill()
+        server.wait(SERVER_EXIT_TIMEOUT)
+        server.start_fork_server()
         reason = (
             f"{answer.get('type')}: {answer.get('error')}"
             if answer
@@ -161,12 +165,81 @@ def mount(
         with contextlib.suppress(SnapshotterError):
             unmount(mountpoint, config)
         raise MountError(f"cannot mount {ref} at {mountpoint}: {reason}")
-    # Reap the server whenever it exits, so a long-lived caller collects no zombies.
-    threading.Thread(target=proc.wait, name="lazyblock-reap", daemon=True).start()
+    server.reap_in_background()
+    server.start_fork_server()
     record = state.MountRecord.load(directory)
     if record is None:
         raise MountError(f"server for {mountpoint} is ready but left no state")
     return MountInfo.from_record(record, directory)
+
+
+class _Server:
+    """A mount server just started: our child (a new interpreter), or the fork server's
+    (``pid`` None if the fork server did not say)."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes] | None, pid: int | None, want_fork_server: bool = False
+    ) -> None:
+        self.proc = proc
+        self.want_fork_server = want_fork_server  # there was none; start it for next time
+        self.pid = proc.pid if proc is not None else pid
+        self._start = state.process_start(self.pid) if self.pid else None
+
+    def _running(self) -> bool:
+        return self._start is not None and state.process_start(self.pid or 0) == self._start
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+        elif self.pid and self._running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def start_fork_server(self) -> None:
+        if self.want_fork_server:
+            self.want_fork_server = False
+            try:
+                forkserver.start()
+            except forkserver.ForkServerError as e:
+                log.info("%s", e)
+
+    def reap_in_background(self) -> None:
+        """Reap our child whenever it exits, so a long-lived caller collects no zombies
+        (the fork server reaps its own)."""
+        if self.proc is not None:
+            threading.Thread(target=self.proc.wait, name="lazyblock-reap", daemon=True).start()
+
+
+def _start_server(request: dict[str, Any], log_fd: int, ready_fd: int, fork: bool) -> _Server:
+    """Start the mount server for ``request``, detached, logging to ``log_fd`` and reporting
+    readiness on ``ready_fd``: forked by the fork server if it can, else as a new
+    interpreter."""
+    unavailable = False
+    if fork:
+        try:
+            return _Server(None, forkserver.spawn(request, log_fd, ready_fd))
+        except forkserver.ForkServerUnavailable:
+            unavailable = True
+        except forkserver.ForkServerError as e:
+            log.info("fork server: %s; starting the mount server directly", e)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snapshotter.mountd", "--ready-fd", str(ready_fd)],
+        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(ready_fd,),
+        start_new_session=True, cwd="/",
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(request).encode())
+    proc.stdin.close()
+    return _Server(proc, None, want_fork_server=unavailable)
 
 
 def _read_ready(fd: int, timeout: float) -> dict[str, Any] | None:

@@ -3,10 +3,11 @@
 ``snapshotter mount`` (``snapshotter.mount.mount``) starts it detached, or the CLI runs it in
 the foreground. In order, it:
 
-1. opens the store, resolves the reference, fetches the index and verifies it (digest,
-   format, data blob size);
+1. opens the store, resolves the reference, fetches the index (or takes it from the node's
+   index cache, ``snapshotter.indexcache``) and verifies it (digest, format);
 2. fetches the metadata sectors (in parallel, through the fetcher: coalesced requests on
-   its workers) into the node's sector cache;
+   its workers) into the node's sector cache, while another thread asks the store for the
+   data blob's size (it must match the index's; checked before step 5);
 3. serves the FUSE file (``snapshotter.fuse``) on libfuse's threads;
 4. puts the kernel's erofs on it at the mountpoint (``snapshotter.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
@@ -21,6 +22,10 @@ the kernel when the server's /dev/fuse closes) and the socket.
 
 Readiness goes to the parent as one JSON line on an inherited pipe: ``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "error": ...}``.
+
+It runs either as its own interpreter (``python -m snapshotter.mountd``, the request as JSON
+on stdin) or forked from the pre-imported fork server (``snapshotter.forkserver``); both
+end up in ``serve_request``.
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from imagetool.errors import FormatError
 from imagetool.format import Index
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import Store
-from snapshotter import fuse, kernel, state
+from snapshotter import fuse, indexcache, kernel, state
 from snapshotter.cache import SectorCache
 from snapshotter.config import MountConfig
 from snapshotter.control import ControlServer
@@ -54,6 +59,7 @@ from snapshotter.prefetch import Prefetcher
 from snapshotter.reader import BlockReader
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # erofs mount options tried in order: "directio" makes erofs read the FUSE file with direct
 # I/O (one cache, the erofs one, and no FUSE read-ahead past what erofs asked for); kernels
@@ -66,8 +72,11 @@ DEFAULT_READ_AHEAD_KB = 128
 class MountServer:
     """One mounted image. ``start`` does steps 1-5, ``serve`` step 6, ``close`` tears down."""
 
-    def __init__(self, ref: str, mountpoint: Path, config: MountConfig) -> None:
+    def __init__(
+        self, ref: str, mountpoint: Path, config: MountConfig, launch: str = "exec"
+    ) -> None:
         self.ref = ref
+        self.launch = launch  # how this process started: "exec" or "fork" (fork server)
         self.mountpoint = Path(os.path.abspath(mountpoint))
         self.config = config
         self.dir = state.mount_dir(config.state_dir, self.mountpoint)
@@ -91,6 +100,7 @@ class MountServer:
         self._loop_device = ""
         self._fuse_device = ""
         self._mount_seconds: dict[str, float] = {}
+        self._index_cached = False
 
     # --- start ----------------------------------------------------------------------------
 
@@ -104,16 +114,19 @@ class MountServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fuse_dir.mkdir(exist_ok=True)
         self._save("starting")
+        # Opening the node's sector cache scans it (thousands of entries on a busy node):
+        # let that overlap the store's round trips.
+        opening = _Task("lazyblock-cache-open", SectorCache, cfg.cache_dir, cfg.cache_size)
 
         ref = parse_ref(self.ref)
         self.store = open_store(ref, cfg.store)
         self.index_digest = self.store.resolve_ref(ref)
-        self.index = Index.from_bytes(self.store.read_blob(self.index_digest))
-        if self.store.blob_size(self.index.blob_digest) != self.index.blob_size:
-            raise FormatError(f"data blob {self.index.blob_digest} has the wrong size")
+        self.index = self._load_index()
+        blob_size = _Task("lazyblock-blob-size", self.store.blob_size, self.index.blob_digest)
         t1 = time.monotonic()
 
-        self.cache = SectorCache(cfg.cache_dir, cfg.cache_size)
+        self.cache = opening.result(t0 + cfg.mount_timeout)
+        tc = time.monotonic()
         self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
         self.reader = BlockReader(
             self.index,
@@ -122,7 +135,14 @@ class MountServer:
             timeout=cfg.read_timeout,
             readahead_bytes=cfg.readahead_bytes,
         )
-        self.fetcher.get(range(self.index.metadata_sectors), time.monotonic() + cfg.mount_timeout)
+        try:
+            self.fetcher.get(
+                range(self.index.metadata_sectors), time.monotonic() + cfg.mount_timeout
+            )
+        except SnapshotterError:
+            if blob_size.wait(1.0):  # "no such blob" says more
+                self._check_blob_size(blob_size.result(0.0))
+            raise
         t2 = time.monotonic()
 
         initialised = threading.Event()
@@ -145,9 +165,11 @@ class MountServer:
         if cfg.kernel_read_ahead_kb:
             kernel.set_read_ahead(self.mountpoint, cfg.kernel_read_ahead_kb)
         t4 = time.monotonic()
+        self._check_blob_size(blob_size.result(t0 + cfg.mount_timeout))
+        t5 = time.monotonic()
         self._mount_seconds = {
-            "index": t1 - t0, "metadata": t2 - t1, "fuse": t3 - t2, "kernel": t4 - t3,
-            "total": t4 - t0,
+            "index": t1 - t0, "cache_open": tc - t1, "metadata": t2 - tc, "fuse": t3 - t2,
+            "kernel": t4 - t3, "blob_check": t5 - t4, "total": t5 - t0,
         }  # fmt: skip
         self.control = ControlServer(
             self.dir / state.CONTROL_SOCKET, {"stats": self._stats, "profile": self._profile}
@@ -155,8 +177,27 @@ class MountServer:
         self._save("ready")
         log.info(
             "mounted %s (%s) at %s via %s in %.3fs",
-            self.ref, self.index_digest, self.mountpoint, self._backing, t4 - t0,
+            self.ref, self.index_digest, self.mountpoint, self._backing, t5 - t0,
         )  # fmt: skip
+
+    def _load_index(self) -> Index:
+        """The verified index: from the node's index cache if a copy there matches the
+        digest, else from the store (``read_blob`` verifies it), then kept for next time."""
+        assert self.store is not None
+        cache_dir = self.config.cache_dir
+        data = indexcache.load(cache_dir, self.index_digest)
+        if data is None:
+            data = self.store.read_blob(self.index_digest)
+            index = Index.from_bytes(data)
+            indexcache.save(cache_dir, self.index_digest, data)
+            return index
+        self._index_cached = True
+        return Index.from_bytes(data)
+
+    def _check_blob_size(self, size: int) -> None:
+        assert self.index is not None
+        if size != self.index.blob_size:
+            raise FormatError(f"data blob {self.index.blob_digest} has the wrong size")
 
     def _attach(self) -> None:
         image = self.fuse_dir / fuse.IMAGE_NAME
@@ -263,6 +304,8 @@ class MountServer:
             "loop_device": self._loop_device,
             "uptime": time.time() - self.started,
             "mount_seconds": self._mount_seconds,
+            "launch": self.launch,
+            "index_cached": self._index_cached,
             "image": {
                 "size": idx.image_size,
                 "sector_size": idx.sector_size,
@@ -303,16 +346,48 @@ class MountServerError(SnapshotterError):
     """The server could not set the mount up."""
 
 
+class _Task(Generic[T]):
+    """A call on its own thread, started at once, so that it overlaps the rest of the
+    mount; ``result`` hands back its value or raises its exception."""
+
+    def __init__(self, name: str, fn: Callable[..., T], *args: Any) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(fn, *args), name=name, daemon=True).start()
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(max(0.0, timeout))
+
+    def result(self, deadline: float) -> T:
+        """Its value; waits until ``deadline`` (``time.monotonic()``) at most."""
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            raise MountServerError(f"{self.name} did not finish in time")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
 def run(
     ref: str,
     mountpoint: Path,
     config: MountConfig,
     ready: Callable[[dict[str, Any]], None],
+    launch: str = "exec",
 ) -> int:
     """Run a mount server in this process until it is unmounted; returns an exit code.
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
-    server = MountServer(ref, mountpoint, config)
+    server = MountServer(ref, mountpoint, config, launch)
     # Installed before libfuse starts, so libfuse leaves these signals to us.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, server.request_stop)
@@ -331,26 +406,33 @@ def run(
         server.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m snapshotter.mountd --ready-fd N`` with the request as JSON on stdin:
-    ``{"ref": ..., "mountpoint": ..., "config": MountConfig.to_dict(), "log_level": ...}``."""
-    parser = argparse.ArgumentParser(prog="snapshotter-mountd")
-    parser.add_argument("--ready-fd", type=int, required=True)
-    args = parser.parse_args(argv)
-    request = json.loads(sys.stdin.read())
+def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") -> int:
+    """Serve a mount request ``{"ref": ..., "mountpoint": ..., "config":
+    MountConfig.to_dict(), "log_level": ...}``, reporting readiness on ``ready_fd``; logs go
+    to stderr."""
     logging.basicConfig(
         level=request.get("log_level", logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
     )
     config = MountConfig.from_dict(request["config"])
-    ready_file = os.fdopen(args.ready_fd, "w")
+    ready_file = os.fdopen(ready_fd, "w")
 
     def ready(doc: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             ready_file.write(json.dumps(doc) + "\n")
             ready_file.close()
 
-    return run(request["ref"], Path(request["mountpoint"]), config, ready)
+    return run(request["ref"], Path(request["mountpoint"]), config, ready, launch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m snapshotter.mountd --ready-fd N`` with the request (see
+    ``serve_request``) as JSON on stdin."""
+    parser = argparse.ArgumentParser(prog="snapshotter-mountd")
+    parser.add_argument("--ready-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    return serve_request(json.loads(sys.stdin.read()), args.ready_fd)
 
 
 if __name__ == "__main__":
