@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ import logging
 import os
 import random
 import re
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -124,6 +126,20 @@ def _auth_key_host(key: str) -> str:
     return key.split("/", 1)[0]
 
 
+def default_ssl_context() -> ssl.SSLContext:
+    """The TLS context every client of this process verifies registries with: httpx's own
+    default (``SSL_CERT_FILE``/``SSL_CERT_DIR`` if set, else certifi's bundle), built once
+    per set of those variables. Loading a CA bundle takes tens of milliseconds, which a
+    mount pays on its critical path; an ``SSLContext`` is safe to share between clients."""
+    return _ssl_context(os.environ.get("SSL_CERT_FILE", ""), os.environ.get("SSL_CERT_DIR", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _ssl_context(cert_file: str, cert_dir: str) -> ssl.SSLContext:
+    del cert_file, cert_dir  # the cache key: create_ssl_context reads them from the environment
+    return httpx.create_ssl_context(verify=True, trust_env=True)
+
+
 @dataclass
 class _Token:
     value: str
@@ -162,6 +178,7 @@ class RegistryClient:
             timeout=httpx.Timeout(options.timeout),
             follow_redirects=False,
             headers={"User-Agent": "lazyblock-imagetool"},
+            verify=default_ssl_context(),
         )
         self._credentials: tuple[str, str] | None = None
         self._credentials_loaded = False
@@ -449,6 +466,9 @@ class RegistryClient:
                 self._answer_challenge(header, push, had_auth=bool(auth))
                 challenged = True
                 continue
+            if status == 401 and auth:
+                resp.close()
+                self._refused(what, push)
             if status in _RETRY_STATUS and idempotent and attempt < self.options.retries:
                 resp.close()
                 attempt = self._backoff(attempt, what, f"HTTP {status}")
@@ -531,6 +551,18 @@ class RegistryClient:
         # A 401 despite a token: it expired or lacks the scope; fetch a fresh one once.
         with self._token_lock:
             self._tokens.pop(self._scope(push), None)
+
+    def _refused(self, what: str, push: bool) -> NoReturn:
+        """The registry answered 401 to a request that carried our credentials or a fresh
+        token: a one-line ``AuthError`` naming what was refused (never the secret)."""
+        if self._scheme == "basic":
+            raise AuthError(
+                f"{self.where}: {what}: the registry refused our credentials for {self.host} "
+                f"(from {default_docker_config(self.options)})"
+            )
+        raise AuthError(
+            f"{self.where}: {what}: the registry refused our token for {self._scope(push)}"
+        )
 
     def _require_secure(self, url: str) -> None:
         if urlsplit(url).scheme != "https" and not self.options.plain_http:

@@ -7,10 +7,14 @@ CI has all of them.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import select
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -92,3 +96,346 @@ class Registry:
                 self.proc.kill()
                 self.proc.wait()
         self._logf.close()
+
+
+class PausableProxy:
+    """A TCP proxy on loopback in front of ``127.0.0.1:upstream_port`` that can be made to
+    hang, for fault tests of clients (threads; one pair of pumps per connection).
+
+    Modes (``set_mode``):
+
+    * ``"pass"``: bytes flow both ways.
+    * ``"blackhole"``: new connections are accepted and held; no byte moves in either
+      direction on any connection, so a request is never answered.
+    * ``"stall_body"``: requests reach the upstream; each response that starts is passed on
+      up to the end of its headers plus ``body_prefix`` body bytes, then nothing more.
+
+    Back in ``"pass"`` mode everything held moves on, as after a network stall.
+    """
+
+    MODES = ("pass", "blackhole", "stall_body")
+
+    def __init__(self, upstream_port: int, body_prefix: int = 16) -> None:
+        self.upstream_port = upstream_port
+        self.body_prefix = body_prefix
+        self.mode = "pass"
+        self.held = 0  # bytes read from either side and held back
+        self.connections = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._sockets: set[socket.socket] = set()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self.host = f"127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"unknown proxy mode {mode!r}")
+        with self._cond:
+            self.mode = mode
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            sockets = list(self._sockets)
+        for s in [self._listener, *sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def __enter__(self) -> PausableProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            with self._cond:
+                if self._closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self.connections += 1
+                self._sockets |= {client, upstream}
+            conn = {"open": 2}
+            for src, dst, down in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(
+                    target=self._pump, args=(src, dst, down, conn), name="proxy-pump", daemon=True
+                ).start()
+
+    def _count_held(self, n: int) -> None:
+        with self._cond:
+            self.held += n
+
+    def _pump(self, src: socket.socket, dst: socket.socket, down: bool, conn: dict) -> None:
+        seen = b""  # stall_body: response bytes since the stall began
+        stalled = False  # stall_body: this response got its allowance
+        pending = b""  # bytes read and held back
+        eof = False
+        try:
+            while True:
+                with self._cond:
+                    if self._closed:
+                        return
+                    mode = self.mode
+                if mode == "pass":
+                    seen, stalled = b"", False
+                flowing = mode == "pass" or (mode == "stall_body" and not (down and stalled))
+                if flowing and pending:
+                    dst.sendall(pending)
+                    pending = b""
+                if eof:
+                    if not pending:
+                        with contextlib.suppress(OSError):
+                            dst.shutdown(socket.SHUT_WR)
+                        return
+                    time.sleep(0.05)
+                    continue
+                ready, _, _ = select.select([src], [], [], 0.1)
+                if not ready:
+                    continue
+                data = src.recv(65536)
+                if not data:
+                    eof = True
+                    continue
+                with self._cond:
+                    mode = self.mode
+                if mode == "blackhole" or (mode == "stall_body" and down and stalled):
+                    pending += data
+                    self._count_held(len(data))
+                    continue
+                if mode == "stall_body" and down:
+                    seen += data
+                    end = seen.find(b"\r\n\r\n")
+                    if end >= 0:
+                        allowed = max(0, end + 4 + self.body_prefix - (len(seen) - len(data)))
+                        dst.sendall(data[:allowed])
+                        pending = data[allowed:]
+                        self._count_held(len(pending))
+                        stalled = True
+                        continue
+                dst.sendall(data)
+        except OSError:
+            return
+        finally:
+            with self._cond:
+                conn["open"] -= 1
+                last = conn["open"] == 0
+            if last:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.close()
+                    with self._cond:
+                        self._sockets.discard(s)
+
+
+class TokenServer:
+    """A registry token service (what ``auth: token: realm`` names) on loopback.
+
+    It checks Basic credentials against ``users`` (anonymous requests are refused) and
+    issues RS256 JWTs, signed with a key and certificate made here, for the scopes asked
+    for. ``expires_in`` is what it tells clients; ``lifetime`` (default: the same) is how
+    long the registry accepts the token, so a test can also hand out tokens that die early.
+    Every request is recorded in ``requests`` (time, account, scopes, whether granted).
+    """
+
+    # docker-registry accepts a token this long past its "exp" (clock skew leeway).
+    REGISTRY_LEEWAY = 60
+
+    def __init__(
+        self,
+        root: Path,
+        users: dict[str, str],
+        expires_in: int = 3,
+        lifetime: int | None = None,
+        service: str = "lazyblock-test",
+        issuer: str = "lazyblock-test-issuer",
+    ) -> None:
+        import base64
+        import datetime
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        self.users = dict(users)
+        self.expires_in = expires_in
+        self.lifetime = expires_in if lifetime is None else lifetime
+        self.service, self.issuer = service, issuer
+        self.requests: list[dict[str, object]] = []
+        self.tokens: list[str] = []
+        self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lazyblock test token signer")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+        self.cert_pem = root / "token-signer.pem"
+        self.cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self._x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                from urllib.parse import parse_qs, urlsplit
+
+                query = parse_qs(urlsplit(self.path).query)
+                account = server.check(self.headers.get("Authorization", ""))
+                scopes = query.get("scope", [])
+                server.requests.append(
+                    {"time": time.time(), "account": account, "scopes": scopes, "ok": bool(account)}
+                )
+                if not account:
+                    self._reply(401, b'{"details":"bad credentials"}')
+                    return
+                token = server.sign(account, scopes)
+                server.tokens.append(token)
+                doc = {"token": token, "expires_in": server.expires_in}
+                self._reply(200, json.dumps(doc).encode())
+
+            def _reply(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.realm = f"http://127.0.0.1:{self.port}/token"
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def check(self, header: str) -> str | None:
+        """The account of a valid ``Basic`` header, else None."""
+        import base64
+
+        if not header.startswith("Basic "):
+            return None
+        try:
+            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+        except ValueError:
+            return None
+        return user if user in self.users and self.users[user] == password else None
+
+    def sign(self, account: str, scopes: list[str]) -> str:
+        import uuid
+
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        access = []
+        for scope in scopes:
+            kind, name, actions = scope.split(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        claims = {
+            "iss": self.issuer,
+            "sub": account,
+            "aud": self.service,
+            # The registry adds its leeway to "exp": take it off, so that the token really
+            # dies ``lifetime`` seconds from now.
+            "exp": now + self.lifetime - self.REGISTRY_LEEWAY,
+            "nbf": now - 1,
+            "iat": now,
+            "jti": uuid.uuid4().hex,
+            "access": access,
+        }
+        header = {"alg": "RS256", "typ": "JWT", "x5c": [self._x5c]}
+        signing_input = f"{_b64url(json.dumps(header))}.{_b64url(json.dumps(claims))}"
+        signature = self._key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return f"{signing_input}.{_b64url(signature)}"
+
+    def granted(self, scope: str) -> list[float]:
+        """When tokens for ``scope`` were issued."""
+        return [r["time"] for r in self.requests if r["ok"] and scope in r["scopes"]]  # type: ignore[misc]
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _b64url(data: str | bytes) -> str:
+    import base64
+
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+class AuthRegistry(Registry):
+    """A real Distribution registry that requires auth: ``token`` (with a ``TokenServer``)
+    or ``htpasswd`` (Basic, bcrypt hashes of ``users``)."""
+
+    def __init__(
+        self, root: Path, users: dict[str, str], tokens: TokenServer | None = None
+    ) -> None:
+        self.root = root
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        self.tokens = tokens
+        if tokens is not None:
+            auth = (
+                "auth:\n  token:\n"
+                f"    realm: {tokens.realm}\n    service: {tokens.service}\n"
+                f"    issuer: {tokens.issuer}\n    rootcertbundle: {tokens.cert_pem}\n"
+            )
+        else:
+            import warnings
+
+            with warnings.catch_warnings():  # deprecated, but libcrypt has the bcrypt
+                warnings.simplefilter("ignore", DeprecationWarning)  # docker-registry wants
+                import crypt
+
+            # The registry hashes the password on every request: the cheapest bcrypt cost.
+            htpasswd = root / "htpasswd"
+            htpasswd.write_text(
+                "".join(
+                    f"{u}:{crypt.crypt(p, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))}\n"
+                    for u, p in users.items()
+                )
+            )
+            auth = f"auth:\n  htpasswd:\n    realm: lazyblock-test\n    path: {htpasswd}\n"
+        config = root / "config.yml"
+        config.write_text(
+            "version: 0.1\nlog:\n  level: info\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+            f"http:\n  addr: 127.0.0.1:{self.port}\n" + auth
+        )
+        self.log = root / "registry.log"
+        self._logf = open(self.log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["docker-registry", "serve", str(config)], stdout=self._logf, stderr=self._logf
+        )
+        try:
+            wait_port(self.port)
+        except TimeoutError:
+            self.stop()
+            raise
