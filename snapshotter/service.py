@@ -295,6 +295,7 @@ def serve(config: ServiceConfig) -> None:
     remote = RemoteLayers.create(config)
     store = SnapshotStore(config.root, mounter=remote.mounter)
     remote.attach(store)
+    _warm_fork_server()
     remote.restore()
     store.cleanup()
     server = start_server(config.address, store, remote, config.workers)
@@ -315,8 +316,20 @@ def serve(config: ServiceConfig) -> None:
     store.close()
 
 
+def _warm_fork_server() -> None:
+    """Have a fork server (imports done) ready, so that the node's first lazy mount also
+    takes a fraction of a second; it idles out on its own, so the periodic check renews it."""
+    from snapshotter import forkserver
+
+    try:
+        forkserver.ensure_running()
+    except forkserver.ForkServerError as e:
+        log.warning("no fork server; mounts start new processes: %s", e)
+
+
 def _remount_periodically(remote: Any, interval: float, stop: threading.Event) -> None:
     while not stop.wait(interval):
+        _warm_fork_server()
         try:
             remote.restore()
         except Exception:  # keep checking; restore logs per snapshot
