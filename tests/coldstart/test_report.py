@@ -139,3 +139,64 @@ def test_with_latest_replaces_only_between_the_markers():
     assert run.with_latest(out, "| newer |").count(run.README_BEGIN) == 1
     with pytest.raises(run.BenchError):
         run.with_latest("no markers", "x")
+
+
+def test_other_images_are_kept_and_reported():
+    small = _results()
+    big = _results()
+    big["image"] = {**big["image"], "tag": "tiny-6g", "compressed_bytes": 6_000_000_000}
+    merged = run.merge_earlier(big, small)
+    assert [e["image"]["tag"] for e in run.image_entries(merged)] == ["tiny-8m", "tiny-6g"]
+    md = run.markdown_table(merged)
+    # smallest image first, each preset heading names its image
+    assert md.index("Image `tiny-8m`") < md.index("Image `tiny-6g`")
+    assert "### tiny-8m, 1g-1ms: 1000 Mbit/s" in md and "### tiny-6g, 1g-1ms:" in md
+    # measuring an image again replaces its earlier results; the rest stay
+    again = run.merge_earlier(small, merged)
+    assert [e["image"]["tag"] for e in again["other_images"]] == ["tiny-6g"]
+    assert run.markdown_table(small).count("Image `") == 1
+
+
+def test_partial_results_say_so():
+    res = _results()
+    res["runs"] = 3
+    res["presets"]["1g-1ms"]["rounds"] = 1
+    assert "**Partial: 1 of 3 rounds so far.**" in run.markdown_table(res)
+    res["presets"]["1g-1ms"]["rounds"] = 3
+    assert "Partial" not in run.markdown_table(res)
+
+
+def test_paired_by_round():
+    def scen(*secs: float) -> dict:
+        runs = [{"seconds": x, "registry_bytes": 1, "wire_bytes": 1, "read_bytes": 1,
+                 "phases_s": {}} for x in secs]  # fmt: skip
+        return run.summarize_runs(runs, image_bytes=1000)
+
+    scenarios = {"full-pull": scen(100.0, 60.0), "lazy-profile": scen(20.0, 30.0),
+                 "local": scen(18.0, 25.0)}  # fmt: skip
+    assert run.paired_by_round(scenarios, "full-pull", "lazy-profile", lambda a, b: a / b) == [
+        5.0, 2.0,
+    ]  # fmt: skip
+    assert run.paired_by_round(scenarios, "lazy-profile", "local", lambda a, b: a - b) == [
+        2.0, 5.0,
+    ]  # fmt: skip
+    # a failed run breaks the pairing of rounds: nothing is paired
+    scenarios["local"]["failed_runs"] = ["boom"]
+    assert run.paired_by_round(scenarios, "lazy-profile", "local", lambda a, b: a - b) == []
+    notes = run.explain({**scenarios, "local": scen(18.0, 25.0)})
+    assert any("full-pull / lazy-profile: 3.50x (5.00, 2.00)" in n for n in notes)
+
+
+def test_targets_need_the_paired_rounds_too():
+    def scen(*secs: float) -> dict:
+        runs = [{"seconds": x, "registry_bytes": 1, "wire_bytes": 1, "read_bytes": 100,
+                 "phases_s": {}} for x in secs]  # fmt: skip
+        return run.summarize_runs(runs, image_bytes=1000)
+
+    # Medians alone say 5x and +1 s, but round by round lazy-profile was never that close.
+    scen_ = {"full-pull": scen(100.0, 50.0, 110.0), "lazy-profile": scen(20.0, 20.0, 40.0),
+             "local": scen(19.0, 10.0, 30.0)}  # fmt: skip
+    t = run.evaluate_targets(scen_)
+    assert [x["met"] for x in t[:2]] == [False, False]
+    assert "paired by round 2.8x (5.0x, 2.5x, 2.8x)" in t[0]["measured"]
+    assert "paired by round +10.00s (+1.00s, +10.00s, +10.00s)" in t[1]["measured"]

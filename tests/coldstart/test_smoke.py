@@ -1,6 +1,7 @@
 """CI smoke version of the cold-start benchmark: tiny busybox image, no shaping, one run of
 every scenario, end to end through the real tools (network namespace, docker-registry,
-containerd + runc, and the snapshotter for the lazy ones), then the report files.
+containerd + runc with CRI, and the snapshotter daemon as containerd's proxy snapshotter for
+the lazy ones), then the report files.
 
 It checks that the benchmark runs and reports, not how fast anything is."""
 
@@ -61,6 +62,12 @@ def test_smoke(tmp_path):
             assert scen[name]["status"] == "not-run" and scen[name]["reason"] == lazy_reason
     if lazy_reason is None:
         assert scen["lazy"]["registry_bytes"] > 0
+        # Through CRI and the proxy snapshotter: the pull mounted the image lazily.
+        assert results["via"] == "cri"
+        for name in run.LAZY_SCENARIOS:
+            only = scen[name]["runs"][0]
+            assert only["phases_s"]["pull_s"] > 0
+            assert only["snapshotter"]["backing"] in ("file", "loop")
         # The node cache is warm: at most the index and metadata come again.
         assert scen["lazy-warm"]["registry_bytes"] < scen["lazy"]["registry_bytes"]
 
