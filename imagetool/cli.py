@@ -10,10 +10,12 @@ import json
 import logging
 import os
 import re
+import signal
 import stat
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import click
 
@@ -344,6 +346,10 @@ def _human(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: the one place errors become messages and exit codes."""
+    # SIGTERM/SIGHUP (a job stopped, a terminal closed) unwind like Ctrl-C, so a conversion
+    # removes its staging files and publishes nothing.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         cli.main(args=argv, prog_name="imagetool", standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -365,6 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:  # local files: missing, unreadable, disk full
         click.echo(f"imagetool: error: {type(e).__name__}: {_one_line(e)}", err=True)
         sys.exit(EXIT_ERROR)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _one_line(e: BaseException) -> str:

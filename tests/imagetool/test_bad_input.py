@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from itool import imagetool
 from ocibuild import (
+    OCI_LAYER,
     OCI_LAYER_GZIP,
     TarEntry,
     blob_path,
@@ -175,3 +181,36 @@ def test_good_input_after_all(tmp_path):
     res = convert(tmp_path / "oci", tmp_path / "store")
     assert res.code == 0, res.err
     assert json.loads(imagetool("inspect", f"{tmp_path}/store/img:t").out)["files"] == 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stopped_conversion_leaves_nothing(tmp_path, signum):
+    """A conversion stopped mid-way (a job killed, Ctrl-C) removes its staging files and
+    publishes nothing."""
+    # 24 files of 8 MiB of random bytes (plain tar: cheap to build, slow enough to convert)
+    rng = random.Random(7)
+    entries = [TarEntry(f"data/f{i:02d}", data=rng.randbytes(8 << 20)) for i in range(24)]
+    write_oci_layout(tmp_path / "oci", [make_layer_tar(entries, compression=None)],
+                     media_types=[OCI_LAYER])  # fmt: skip
+    stage, store = tmp_path / "stage", tmp_path / "store"
+    stage.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "imagetool.cli", "convert", "-q", "--tmpdir", str(stage),
+         f"oci:{tmp_path / 'oci'}:latest", f"{store}/img:t"],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.is_file() and p.stat().st_size for p in stage.rglob("*")):
+            assert proc.poll() is None, "conversion ended before it could be stopped"
+            assert time.monotonic() < deadline, "no staging file appeared"
+            time.sleep(0.01)
+        proc.send_signal(signum)
+        err = proc.communicate(timeout=60)[1].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip() == "imagetool: interrupted", err
+    assert not list(stage.iterdir()), "staging files left behind"
+    refs = list((store / "refs").rglob("*")) if (store / "refs").exists() else []
+    assert not [r for r in refs if r.is_file()], "tag written"
