@@ -347,8 +347,9 @@ def _human(n: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: the one place errors become messages and exit codes."""
     # SIGTERM/SIGHUP (a job stopped, a terminal closed) unwind like Ctrl-C, so a conversion
-    # removes its staging files and publishes nothing.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # removes its staging files and publishes nothing; SIGINT too, even when a shell started
+    # us as a background job with it ignored.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _interrupt)
     try:
         cli.main(args=argv, prog_name="imagetool", standalone_mode=False)

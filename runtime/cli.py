@@ -143,8 +143,10 @@ def evaluate(
         from .launch import vllm_python
 
         launch = _eval_launcher(device, python_ or vllm_python(), startup_timeout)
-    # SIGTERM unwinds like Ctrl-C, so a started engine is stopped on the way out.
+    # SIGTERM unwinds like Ctrl-C, so a started engine is stopped on the way out; Ctrl-C
+    # too when started from a shell that ignores SIGINT for background jobs.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(engine_log.open("ab")) if engine_log else sys.stderr
         r = run_eval(
