@@ -12,9 +12,12 @@ where it lies:
 * The first time a process uses an entry, it reads the whole entry and checks it against its
   name (xxh3-128, ~0.5 ms for 4 MiB). While it has the verified bytes it also records the
   xxh3-64 of every ``VERIFY_BLOCK`` (32 KiB) block, in memory (1 KiB per 4 MiB sector).
-* Every later read (``read``) preads only the blocks that cover the range asked for and checks
-  each against its recorded digest, so a file that was corrupted, truncated or replaced after
-  the first check is still caught, on the very read that would have served it.
+* Every later read (``read``, or ``read_into`` a caller's buffer) preads only the blocks that
+  cover the range asked for and checks each against its recorded digest, so a file that was
+  corrupted, truncated or replaced after the first check is still caught, on the very read
+  that would have served it. ``read_into`` checks the bytes in the caller's buffer itself
+  (the parts of the edge blocks outside the range go to scratch), so what is checked is
+  exactly what is served.
 * ``put`` records the digests from the bytes it is given (the caller verified them).
 
 An entry that fails either check is a logged miss and is deleted; it is never returned.
@@ -111,6 +114,33 @@ def block_digests(data: bytes | memoryview) -> bytes:
     return b"".join(
         xxhash.xxh3_64_digest(view[i : i + VERIFY_BLOCK]) for i in range(0, len(view), VERIFY_BLOCK)
     )
+
+
+def parts_digests(parts: list[memoryview]) -> bytes:
+    """``block_digests`` of the concatenation of ``parts``, without concatenating them: a
+    block that spans parts is hashed incrementally."""
+    out = []
+    partial = None  # the hash of a block begun in an earlier part
+    filled = 0  # its bytes so far
+    for part in parts:
+        pos, n = 0, len(part)
+        if partial is not None:
+            pos = min(VERIFY_BLOCK - filled, n)
+            partial.update(part[:pos])
+            filled += pos
+            if filled == VERIFY_BLOCK:
+                out.append(partial.digest())
+                partial = None
+        while n - pos >= VERIFY_BLOCK:
+            out.append(xxhash.xxh3_64_digest(part[pos : pos + VERIFY_BLOCK]))
+            pos += VERIFY_BLOCK
+        if pos < n:
+            partial = xxhash.xxh3_64()
+            partial.update(part[pos:])
+            filled = n - pos
+    if partial is not None:
+        out.append(partial.digest())
+    return b"".join(out)
 
 
 class _File:
@@ -210,6 +240,57 @@ class SectorCache:
             return data
         return data[offset - lo : end - lo]
 
+    def read_into(
+        self, checksum: str, offset: int, out: memoryview, size: int | None = None
+    ) -> bool:
+        """Fill ``out`` with bytes ``[offset, offset+len(out))`` of the entry, verified: the
+        FUSE file's read path, which hands in the buffer libfuse replies from, so that the
+        bytes are read from disk straight into it and checked where they lie (no copy in
+        between). Returns False on a miss, a corrupt entry, an entry whose size is not
+        ``size`` (when given) or one too short for the range; ``out`` then holds garbage
+        that must not be served."""
+        check_checksum(checksum)
+        length = len(out)
+        if offset < 0:
+            raise ValueError(f"invalid cache read: offset {offset}")
+        with self._lock:
+            known = checksum in self._entries
+            verified = self._verified.get(checksum)
+        if verified is None or not known:
+            data = self.read(checksum, offset, length, size)
+            if data is None or len(data) != length:
+                return False
+            out[:] = data
+            return True
+        end = offset + length
+        if (size is not None and verified.size != size) or end > verified.size:
+            self.metrics.misses.inc()
+            return False
+        if not length:
+            self._hit(checksum, verified)
+            return True
+        # The 32 KiB blocks that cover the range are read in one preadv: the range itself
+        # into ``out``, the parts of the first and last blocks outside it into scratch.
+        lo = offset - offset % VERIFY_BLOCK
+        hi = min(verified.size, -(-end // VERIFY_BLOCK) * VERIFY_BLOCK)
+        parts: list[memoryview] = [out]
+        if offset > lo:
+            parts.insert(0, memoryview(bytearray(offset - lo)))
+        if hi > end:
+            parts.append(memoryview(bytearray(hi - end)))
+        try:
+            file = self._open(checksum)
+            got = os.preadv(file.fd, parts, lo)
+        except OSError as e:  # evicted meanwhile, or removed behind our back
+            self._lost(checksum, e)
+            return False
+        expected = verified.digests[lo // VERIFY_BLOCK * 8 : -(-hi // VERIFY_BLOCK) * 8]
+        if got != hi - lo or parts_digests(parts) != expected:
+            self._corrupt(checksum, file, f"blocks {lo}..{hi} changed since it was verified")
+            return False
+        self._hit(checksum, verified)
+        return True
+
     def will_need(self, checksum: str) -> None:
         """The entry will be read soon: verify it now if this process has not yet (which
         reads it all), else have the kernel start reading it from disk. Blocks for as long
@@ -233,6 +314,11 @@ class SectorCache:
         with self._lock:
             return len(self._entries)
 
+    def __bool__(self) -> bool:
+        # A cache is a cache even while it holds nothing: ``if cache`` must not mean
+        # "if it has entries" (``__len__`` would make an empty one false).
+        return True
+
     def usage(self) -> int:
         """Bytes held by entries."""
         with self._lock:
@@ -245,13 +331,14 @@ class SectorCache:
 
     # --- writes ---------------------------------------------------------------------------
 
-    def put(self, checksum: str, data: bytes) -> bool:
+    def put(self, checksum: str, data: bytes, verified: bool = False) -> bool:
         """Store a sector's uncompressed bytes under its checksum. Bytes that do not hash
-        to ``checksum`` are refused (the caller should have verified them; this costs a hash,
-        ~0.5 ms per 4 MiB, and keeps the block digests honest). Returns whether the entry is
-        now cached; never raises for lack of room or a failing disk."""
+        to ``checksum`` are refused (this costs a hash, ~0.5 ms per 4 MiB, and keeps the
+        block digests honest); ``verified``: the caller has just hashed these very bytes
+        (``Index.decode_sector`` returned them), so they are not hashed again. Returns
+        whether the entry is now cached; never raises for lack of room or a failing disk."""
         check_checksum(checksum)
-        if xxhash.xxh3_128_hexdigest(data) != checksum:
+        if not verified and xxhash.xxh3_128_hexdigest(data) != checksum:
             self.metrics.put_failures.inc()
             log.error("sector cache: bytes put as %s do not hash to it; not cached", checksum)
             return False

@@ -27,7 +27,12 @@ store:
   result ignored), not waited on; a reader waits at most until its deadline and then gets
   ``FetchTimeoutError``. Hung calls keep their thread until the store answers; past
   ``max_stuck_requests`` of them new requests fail at once instead of piling up threads.
-  Nothing is remembered about failures: once the store answers again, reads succeed.
+  One thing is remembered about failures: for ``timeout_memory`` seconds after a sector's
+  fetch missed a deadline, unless the store answers a request meanwhile, readers of it wait
+  at most ``RETRY_WAIT`` (the fetch itself is tried again with the full deadline). The
+  kernel retries a failed read straight away and readers of one page queue behind each
+  other, so without it one application read would wait out several deadlines. Once the
+  store answers again, reads succeed.
 
 Deadlines are absolute ``time.monotonic()`` values, so one deadline can span several calls.
 """
@@ -64,6 +69,10 @@ log = logging.getLogger(__name__)
 # that several run in parallel (one sequential reader then gets the store's parallel
 # throughput) and the nearest one lands soon.
 READAHEAD_REQUEST_BYTES = 4 << 20
+# Seconds a reader waits for a sector whose fetch missed its deadline moments ago (see
+# FetchConfig.timeout_memory): long enough for a store that is back to deliver, short enough
+# that the kernel's retries of a failed read do not each wait out a whole deadline.
+RETRY_WAIT = 0.5
 # Store errors that another attempt cannot fix.
 _PERMANENT = (NotFoundError, AuthError)
 
@@ -113,7 +122,14 @@ class FetchConfig:
     """Abandoned store calls (timed out, still running on their thread) tolerated at once;
     beyond this, new requests fail immediately until some return."""
 
+    timeout_memory: float = 1.0
+    """Seconds after a sector's fetch missed a deadline during which its readers wait at most
+    ``RETRY_WAIT`` instead of a whole deadline, unless the store answers a request meanwhile;
+    meant for the kernel's immediate retries of a failed read. 0 turns it off."""
+
     def __post_init__(self) -> None:
+        if self.timeout_memory < 0:
+            raise ValueError("timeout_memory must not be negative")
         if self.max_parallel < 1 or not 0 <= self.max_parallel_prefetch <= self.max_parallel:
             raise ValueError("need max_parallel >= 1 and 0 <= max_parallel_prefetch <= it")
         if self.request_timeout <= 0 or self.deadline <= 0:
@@ -172,6 +188,7 @@ class SectorFetcher:
         self._inflight: dict[str, _Flight] = {}  # by checksum: one fetch per content
         self._running_prefetch = 0
         self._stuck = 0
+        self._timed_out: dict[str, float] = {}  # checksum -> when its fetch missed a deadline
         self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
         self._warmer_running = False
@@ -203,8 +220,10 @@ class SectorFetcher:
             raise InvalidReadError(f"sector numbers out of range: {wanted[0]}..{wanted[-1]}")
         try:
             return self._get(wanted, deadline, priority)
-        except FetchError:
+        except FetchError as e:
             self.metrics.fetch_errors.inc()
+            if isinstance(e, FetchTimeoutError) or isinstance(e.__cause__, StoreTimeoutError):
+                self._remember_timeout(e.sectors)
             raise
 
     def missing(self, numbers: Iterable[int]) -> list[int]:
@@ -230,6 +249,17 @@ class SectorFetcher:
         if data is not None:
             self.metrics.cache_hits.inc()
         return data
+
+    def read_cached_into(self, n: int, offset: int, out: memoryview) -> bool:
+        """``read_cached`` into ``out`` (``SectorCache.read_into``): whether the cache held
+        bytes ``[offset, offset+len(out))`` of sector ``n`` and they are now in ``out``."""
+        entry = self.index.sectors[n]
+        if entry.is_zero:
+            return False
+        if not self.cache.read_into(entry.checksum, offset, out, self.index.sector_span(n)[1]):
+            return False
+        self.metrics.cache_hits.inc()
+        return True
 
     def readahead(self, numbers: Iterable[int], deadline: float | None = None) -> int:
         """Start fetching those of ``numbers`` that are neither cached nor in flight, without
@@ -331,6 +361,7 @@ class SectorFetcher:
                 stored.append(n)
         if not stored:
             return result
+        wait_deadline = self._wait_deadline(stored, deadline) if self._timed_out else deadline
         with self.cache.pin(sectors[n].checksum for n in stored):
             remaining = set(stored)
             tried_cache: set[int] = set()
@@ -343,7 +374,7 @@ class SectorFetcher:
                         result[n] = data
                         remaining.discard(n)
                 for n, flight in waits.items():
-                    if not flight.done.wait(max(0.0, deadline - time.monotonic())):
+                    if not flight.done.wait(max(0.0, wait_deadline - time.monotonic())):
                         left = tuple(sorted(n for n in remaining if n not in result))
                         raise FetchTimeoutError(
                             f"sectors {_show(left)} not fetched before the deadline", left
@@ -393,6 +424,28 @@ class SectorFetcher:
             for n in same:
                 waits[n] = self._inflight[sectors[n].checksum]
         return from_cache, waits
+
+    def _remember_timeout(self, numbers: Iterable[int]) -> None:
+        """Note that the store missed a deadline for sectors ``numbers`` just now (see
+        ``FetchConfig.timeout_memory``)."""
+        if self.config.timeout_memory <= 0:
+            return
+        now = time.monotonic()
+        sectors = self.index.sectors
+        with self._lock:
+            for n in numbers:
+                self._timed_out[sectors[n].checksum] = now
+
+    def _wait_deadline(self, stored: list[int], deadline: float) -> float:
+        """How long a reader of ``stored`` waits: ``deadline``, or only ``RETRY_WAIT`` if the
+        store missed a deadline for one of them moments ago and has not answered since."""
+        now, memory = time.monotonic(), self.config.timeout_memory
+        sectors = self.index.sectors
+        with self._lock:
+            for checksum in [c for c, t in self._timed_out.items() if now - t >= memory]:
+                del self._timed_out[checksum]
+            recent = any(sectors[n].checksum in self._timed_out for n in stored)
+        return min(deadline, now + RETRY_WAIT) if recent else deadline
 
     def _from_cache(self, n: int) -> bytes | None:
         # The size is checked too: the same checksum with another length is not this sector.
@@ -505,9 +558,10 @@ class SectorFetcher:
                 error = e
                 continue
             bad = []
+            view = memoryview(data)  # sectors decoded from slices of it, not copies
             for n in remaining:
                 entry = index.sectors[n]
-                stored = data[entry.offset - offset : entry.offset - offset + entry.length]
+                stored = view[entry.offset - offset : entry.offset - offset + entry.length]
                 try:
                     decoded = index.decode_sector(n, stored)
                 except ChecksumError as e:
@@ -563,6 +617,8 @@ class SectorFetcher:
             finally:
                 self.metrics.inflight.dec()
                 with self._lock:
+                    if "data" in box:
+                        self._timed_out.clear()  # the store answers again
                     box["finished"] = True
                     if box.get("abandoned"):
                         self._stuck -= 1
@@ -590,7 +646,7 @@ class SectorFetcher:
 
     def _cache_put(self, checksum: str, data: bytes) -> None:
         try:
-            self.cache.put(checksum, data)
+            self.cache.put(checksum, data, verified=True)  # decode_sector checked it
         except Exception:  # caching is best effort; the read goes on
             log.exception("sector cache put failed")
 

@@ -3,8 +3,9 @@
 The FUSE file system has a root directory holding one regular file, ``image``; the kernel's
 erofs is mounted on that file (``snapshotter.kernel``), so FUSE only ever sees large reads of
 one immutable file, never a lookup storm of the image's own files. Each callback translates:
-one ``BlockReader.read`` per read, a ``SnapshotterError`` becomes its errno (EIO for fetch
-failures), anything unexpected becomes EIO with the traceback logged.
+one ``BlockReader.read_into`` per read, straight into libfuse's reply buffer (``_Fuse``), a
+``SnapshotterError`` becomes its errno (EIO for fetch failures), anything unexpected becomes
+EIO with the traceback logged.
 
 Binding: **mfusepy** (ctypes over libfuse 3's high-level API). Chosen for speed where it
 matters here:
@@ -21,12 +22,17 @@ matters here:
   attributes in the kernel.
 
 The per-request cost of Python (~tens of microseconds) is small against a 1 MiB read, so
-throughput is bounded by decompression and copying, not by the binding.
+throughput is bounded by decompression and copying, not by the binding. Copies are kept to
+what the kernel does: a warm read is one ``preadv`` of the cache file into libfuse's buffer
+(checked there, block by block) and libfuse's ``writev`` of it to /dev/fuse. The loop
+device's requests are cut at a multiple of ``MAX_READ`` (``kernel.set_read_ahead``), so
+a sequential reader's requests are all 1 MiB.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import logging
 import os
@@ -133,6 +139,22 @@ class BlockFile(mfusepy.Operations):
             log.exception("read %d+%d failed", offset, size)
             raise mfusepy.FuseOSError(errno.EIO) from None
 
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """``read`` into libfuse's reply buffer (see ``_Fuse.read``); returns the byte
+        count."""
+        try:
+            n = self.reader.read_into(offset, out)
+            self._record(offset, n)
+            return n
+        except SnapshotterError as e:
+            self.read_errors.inc()
+            log.warning("read %d+%d: %s: %s", offset, len(out), type(e).__name__, e)
+            raise mfusepy.FuseOSError(e.errno) from None
+        except Exception:
+            self.read_errors.inc()
+            log.exception("read %d+%d failed", offset, len(out))
+            raise mfusepy.FuseOSError(errno.EIO) from None
+
     def _record(self, offset: int, length: int) -> None:
         i = max(0, bisect.bisect_right(self._starts, offset) - 1)
         end = offset + length
@@ -149,12 +171,36 @@ class BlockFile(mfusepy.Operations):
             return list(self._touched)
 
 
+# A writable memoryview over C memory (libfuse's read buffer), without a copy.
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PYBUF_WRITE = 0x200
+
+
+class _Fuse(mfusepy.FUSE):
+    """mfusepy with a read callback that fills libfuse's buffer in place.
+
+    mfusepy's own ``read`` takes the bytes the operation returns and copies them into the
+    buffer libfuse replies from; here the operation is handed that buffer (as a
+    memoryview) and the cache file is read straight into it, one copy less and no 1 MiB
+    ``bytes`` allocated per request. The view is released when the callback returns
+    (nothing keeps a reference to it or its slices past the call)."""
+
+    def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+        view = _memory_view(ctypes.cast(buf, ctypes.c_void_p).value, size, _PYBUF_WRITE)
+        try:
+            return self.operations.read_into(offset, view)
+        finally:
+            view.release()
+
+
 def serve(operations: BlockFile, directory: Path, fsname: str) -> None:
     """Mount ``operations`` on ``directory`` and serve until it is unmounted (blocks).
 
     Runs libfuse's multithreaded loop; call it from a thread other than the main one so
     that the main thread keeps handling signals."""
-    mfusepy.FUSE(
+    _Fuse(
         operations,
         str(directory),
         foreground=True,

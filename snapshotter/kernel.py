@@ -34,6 +34,9 @@ MS_RDONLY = 1
 MNT_FORCE = 1
 MNT_DETACH = 2
 
+# The FUSE file's largest read (``snapshotter.fuse.MAX_READ``), in KiB.
+FUSE_REQUEST_KIB = 1024
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -156,13 +159,18 @@ def loop_backing_file(device: str) -> str | None:
     return None
 
 
-def set_read_ahead(path: Path, kib: int) -> int | None:
+def set_read_ahead(path: Path, kib: int, request_kib: int = FUSE_REQUEST_KIB) -> int | None:
     """Set the read-ahead (KiB) of the backing device info of the file system mounted at
     ``path`` (for erofs on a loop device: the loop device's). The kernel reads a file a
     read-ahead window at a time, and erofs passes each window down to the FUSE file: the
     default 128 KiB means 32 FUSE round trips per 4 MiB. Returns the value it had, or None
     when the mount has no such setting (a file-backed erofs mount has none); then nothing
-    changed."""
+    changed.
+
+    On a block device (the loop device) it also caps the device's requests at a multiple
+    of ``request_kib``, the FUSE file's largest read: a loop device splits a window into
+    requests of ``max_sectors_kb`` (1280 KiB by default), and FUSE splits each of those
+    into 1 MiB reads, so every other FUSE read would be a 256 KiB one."""
     dev = os.stat(path).st_dev
     knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
     try:
@@ -172,7 +180,20 @@ def set_read_ahead(path: Path, kib: int) -> int | None:
     except (OSError, ValueError) as e:
         log.info("cannot set the read-ahead of %s (%s): %s", path, knob, e)
         return None
+    _align_requests(os.major(dev), os.minor(dev), request_kib)
     return old
+
+
+def _align_requests(major: int, minor: int, request_kib: int) -> None:
+    queue = Path(f"/sys/dev/block/{major}:{minor}/queue")
+    try:
+        limit = int((queue / "max_hw_sectors_kb").read_text())
+        current = int((queue / "max_sectors_kb").read_text())
+        want = limit // request_kib * request_kib
+        if want and current % request_kib:
+            (queue / "max_sectors_kb").write_text(str(want))
+    except (OSError, ValueError) as e:  # not a block device (file-backed mount): nothing to do
+        log.debug("request size of %d:%d left alone: %s", major, minor, e)
 
 
 def unmount_path(path: Path, lazy_fallback: bool = True) -> bool:

@@ -1,12 +1,14 @@
 """Byte-range reads over a block image's uncompressed filesystem image.
 
-``BlockReader.read(offset, length)`` is what the FUSE file's read callback calls. It maps the
-range to sectors and serves each piece from, in order:
+``BlockReader.read_into(offset, buffer)`` is what the FUSE file's read callback calls (with
+libfuse's reply buffer; ``read(offset, length)`` returns ``bytes``). It maps the range to
+sectors and serves each piece, straight into its place in the buffer, from, in order:
 
 1. a small in-memory LRU of decoded sectors that were just fetched from the store (or are
    all zeros), so the reads that follow a fetch do not even go to the disk cache;
-2. the node's sector cache, which keeps sectors decoded: a read is a ``pread`` of the bytes
-   asked for, checked block by block (``SectorCache.read``);
+2. the node's sector cache, which keeps sectors decoded: a read is a ``preadv`` of the bytes
+   asked for into the buffer, checked block by block where they land
+   (``SectorCache.read_into``);
 3. the fetcher, asked for all the remaining sectors in one call (so adjacent misses are
    coalesced into one ranged read).
 
@@ -103,51 +105,61 @@ class BlockReader:
         """
         if offset < 0 or length < 0:
             raise InvalidReadError(f"invalid read: offset {offset}, length {length}")
+        out = bytearray(max(0, min(length, self.index.image_size - offset)))
+        self.read_into(offset, memoryview(out))
+        return bytes(out)
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Image bytes ``[offset, offset+len(out))`` into ``out`` (the FUSE file's reply
+        buffer); returns how many, short at the end of the image. Those bytes of ``out`` are
+        all verified ones; on an exception its contents are undefined.
+
+        Raises ``FetchError`` when sectors cannot be fetched in time (EIO).
+        """
+        length = len(out)
+        if offset < 0:
+            raise InvalidReadError(f"invalid read: offset {offset}, length {length}")
         index = self.index
         numbers = index.sectors_for_range(offset, length)
         self.metrics.reads.inc()
         if not numbers:
-            return b""
+            return 0
         end = min(offset + length, index.image_size)
         if self.readahead_sectors:
             self._follow(offset, end)
+        # Sector n's bytes [lo, hi) go to out[start + lo - offset : start + hi - offset].
         spans = {}
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
-        pieces: dict[int, bytes | memoryview] = {}
+        in_memory: dict[int, bytes] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
                 data = self._memory.get(n)
                 if data is not None:
                     self._memory.move_to_end(n)
-                    _, lo, hi = spans[n]
-                    pieces[n] = memoryview(data)[lo:hi]
-        self.metrics.memory_hits.inc(len(pieces))
+                    in_memory[n] = data
+        if in_memory:
+            self.metrics.memory_hits.inc(len(in_memory))
         wanted = []
         for n in numbers:
-            if n in pieces:
-                continue
-            _, lo, hi = spans[n]
-            data = self.fetcher.read_cached(n, lo, hi - lo)
-            if data is None:
+            start, lo, hi = spans[n]
+            target = out[start + lo - offset : start + hi - offset]
+            data = in_memory.get(n)
+            if data is not None:
+                target[:] = memoryview(data)[lo:hi]
+            elif not self.fetcher.read_cached_into(n, lo, target):
                 wanted.append(n)
-            else:
-                pieces[n] = data
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             fetched = self.fetcher.get(wanted, deadline)
             self._remember(fetched)
             for n, data in fetched.items():
-                _, lo, hi = spans[n]
-                pieces[n] = memoryview(data)[lo:hi]
-        if len(numbers) == 1:
-            out = bytes(pieces[numbers[0]])
-        else:
-            out = b"".join(pieces[n] for n in numbers)
-        self.metrics.read_bytes.inc(len(out))
-        return out
+                start, lo, hi = spans[n]
+                out[start + lo - offset : start + hi - offset] = memoryview(data)[lo:hi]
+        self.metrics.read_bytes.inc(end - offset)
+        return end - offset
 
     def touched_sectors(self) -> list[int]:
         """Sectors read so far, in first-access order."""

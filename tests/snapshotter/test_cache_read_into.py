@@ -1,0 +1,73 @@
+"""SectorCache.read_into: the FUSE read path's reads straight into a caller's buffer, checked
+where they land."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from datapath_support import set_mtime
+
+from imagetool.format import sector_checksum
+from snapshotter.cache import VERIFY_BLOCK, SectorCache, block_digests, parts_digests
+
+
+def test_parts_digests_match_the_digests_of_the_whole() -> None:
+    rng = random.Random(1)
+    data = rng.randbytes(5 * VERIFY_BLOCK + 1234)
+    for _ in range(200):
+        cuts = sorted(rng.randrange(len(data) + 1) for _ in range(rng.randrange(4)))
+        bounds = [0, *cuts, len(data)]
+        parts = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert parts_digests(parts) == block_digests(data), cuts
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["verified", "first-use"])
+def test_reads_into_a_buffer_match_the_entry(tmp_path: Path, fresh: bool) -> None:
+    data = random.Random(2).randbytes(300_000)
+    key = sector_checksum(data)
+    cache = SectorCache(tmp_path, 1 << 20)
+    cache.put(key, data)
+    if fresh:  # another process: nothing verified yet, the first read checks it all
+        cache = SectorCache(tmp_path, 1 << 20)
+    rng = random.Random(3)
+    buf = bytearray(100_000)
+    for _ in range(100):
+        offset = rng.randrange(len(data))
+        length = rng.randrange(min(len(buf), len(data) - offset) + 1)
+        view = memoryview(buf)[:length]
+        assert cache.read_into(key, offset, view, size=len(data))
+        assert bytes(view) == data[offset : offset + length], (offset, length)
+    view = memoryview(buf)[:100]
+    assert not cache.read_into(key, len(data) - 50, view)  # past the end: not whole
+    assert not cache.read_into(key, 0, view, size=len(data) + 1)  # not the sector asked for
+    assert not cache.read_into(sector_checksum(b"absent"), 0, view)
+    assert cache.metrics.corrupt.value == 0
+
+
+def test_damage_after_the_check_is_caught_by_the_read_into_the_buffer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = random.Random(4).randbytes(300_000)
+    key = sector_checksum(data)
+    cache = SectorCache(tmp_path, 1 << 20)
+    cache.put(key, data)
+    path = tmp_path / "v2" / key[:2] / key
+    st = path.stat()
+    with open(path, "r+b") as f:  # damaged in place: same size, same mtime
+        f.seek(200_000)
+        f.write(b"\xff" * 3)
+    set_mtime(path, st.st_mtime)
+    buf = bytearray(5000)
+    assert cache.read_into(key, 1000, memoryview(buf))  # blocks that are intact still serve
+    assert bytes(buf) == data[1000:6000]
+    # the damaged block is only partly in the range asked for: still caught
+    assert not cache.read_into(key, 199_000, memoryview(buf)[:1001])
+    assert "corrupt" in caplog.text and not path.exists() and key not in cache
+    assert cache.metrics.corrupt.value == 1
+    # and it stays a miss until the sector is put again
+    assert not cache.read_into(key, 1000, memoryview(buf))
+    cache.put(key, data)
+    assert cache.read_into(key, 199_000, memoryview(buf)[:1001])
+    assert bytes(buf[:1001]) == data[199_000:200_001]
