@@ -22,6 +22,9 @@ from pathlib import Path
 
 import grpc
 
+# The CRI PullImage request, hand-encoded; one copy, shared with the cold-start benchmark.
+from benchmarks.coldstart.node import pull_request, string_field
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "lbtest"
@@ -147,8 +150,8 @@ state = "{root / "state"}"
         the path that passes the image's labels to the snapshotter."""
         with grpc.insecure_channel(f"unix://{self.address}") as channel:
             call = channel.unary_unary("/runtime.v1.ImageService/PullImage")
-            reply = call(_pull_request(image), timeout=timeout)
-        return _string_field(reply, 1)
+            reply = call(pull_request(image), timeout=timeout)
+        return string_field(reply, 1)
 
     def cleanup_namespace(self, namespace: str) -> None:
         """Kill every task and remove every container of ``namespace``."""
@@ -196,49 +199,3 @@ def unmount_under(root: Path) -> None:
                 mounts.append(target)
     for target in sorted(mounts, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], capture_output=True)
-
-
-# --- a CRI PullImage request, hand-encoded (two nested string fields) ----------------------
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _pull_request(image: str) -> bytes:
-    # PullImageRequest { ImageSpec image = 1 { string image = 1 } }
-    return _field(1, _field(1, image.encode()))
-
-
-def _string_field(message: bytes, number: int) -> str:
-    i = 0
-    while i < len(message):
-        key, i = _read_varint(message, i)
-        if key & 7 != 2:
-            raise ValueError("unexpected wire type in CRI reply")
-        length, i = _read_varint(message, i)
-        if key >> 3 == number:
-            return message[i : i + length].decode()
-        i += length
-    return ""
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
