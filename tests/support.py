@@ -65,16 +65,17 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
 class Registry:
     """A real Distribution registry (Debian's docker-registry) on loopback."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, extra_config: str = "", log_level: str = "error") -> None:
+        """``extra_config``: more top-level sections of the registry's config (e.g. auth)."""
         self.root = root
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         config = root / "config.yml"
         config.write_text(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\n"
+            f"version: 0.1\nlog:\n  level: {log_level}\n  accesslog:\n    disabled: false\n"
             f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
             "  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n"
+            f"http:\n  addr: 127.0.0.1:{self.port}\n" + extra_config
         )
         self.log = root / "registry.log"
         self._logf = open(self.log, "wb")  # noqa: SIM115
@@ -397,9 +398,6 @@ class AuthRegistry(Registry):
     def __init__(
         self, root: Path, users: dict[str, str], tokens: TokenServer | None = None
     ) -> None:
-        self.root = root
-        self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
         self.tokens = tokens
         if tokens is not None:
             auth = (
@@ -423,19 +421,4 @@ class AuthRegistry(Registry):
                 )
             )
             auth = f"auth:\n  htpasswd:\n    realm: lazyblock-test\n    path: {htpasswd}\n"
-        config = root / "config.yml"
-        config.write_text(
-            "version: 0.1\nlog:\n  level: info\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n" + auth
-        )
-        self.log = root / "registry.log"
-        self._logf = open(self.log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            ["docker-registry", "serve", str(config)], stdout=self._logf, stderr=self._logf
-        )
-        try:
-            wait_port(self.port)
-        except TimeoutError:
-            self.stop()
-            raise
+        super().__init__(root, extra_config=auth, log_level="info")

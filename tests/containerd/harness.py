@@ -11,9 +11,7 @@ socket path, never by name), the daemon, and unmounts whatever is left under the
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -22,8 +20,9 @@ from pathlib import Path
 
 import grpc
 
-# The CRI PullImage request, hand-encoded; one copy, shared with the cold-start benchmark.
-from benchmarks.coldstart.node import pull_request, string_field
+# Shared with the cold-start benchmark: the hand-encoded CRI PullImage request, and the
+# cleanup of shims left by our own containerd.
+from benchmarks.coldstart.node import kill_processes_naming, pull_request, string_field
 
 log = logging.getLogger(__name__)
 
@@ -171,22 +170,6 @@ state = "{root / "state"}"
                 self.proc.kill()
                 self.proc.wait()
         kill_processes_naming(str(self.address))
-
-
-def kill_processes_naming(text: str) -> None:
-    """SIGKILL processes whose command line contains ``text`` (our socket path: only the
-    shims this containerd started)."""
-    me = os.getpid()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == me:
-            continue
-        try:
-            cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(d.name), signal.SIGKILL)
 
 
 def unmount_under(root: Path) -> None:
