@@ -1,23 +1,20 @@
 """Registry auth: docker config credentials, Basic, and the Bearer token flow — against a
 loopback fake that issues 401 challenges, and against a real registry configured for token
-auth with a tiny local token service (JWTs signed with a throwaway certificate)."""
+auth with the tests' token service (``support.TokenServer``: JWTs signed with a throwaway
+certificate)."""
 
 from __future__ import annotations
 
 import base64
-import datetime
 import json
-import subprocess
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from support import free_port, require_tool, wait_port
+from support import AuthRegistry, TokenServer, require_tool
 
 from imagetool.errors import AuthError
 from imagetool.format import BLOB_MEDIA_TYPE
@@ -197,123 +194,15 @@ def test_basic_flow(auth_server, tmp_path: Path, monkeypatch) -> None:
 # --- a real registry with token auth --------------------------------------------------------
 
 
-class _TokenService:
-    """Issues registry JWTs (RS256, certificate in the x5c header) after checking Basic auth."""
-
-    def __init__(self, root: Path, service: str, issuer: str) -> None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
-        from cryptography.x509.oid import NameOID
-
-        self.service, self.issuer = service, issuer
-        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lazyblock test token signer")])
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self.key, hashes.SHA256())
-        )
-        self.cert_pem = root / "token-cert.pem"
-        self.cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        self.cert_der_b64 = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
-        self.issued: list[str] = []
-        service_ref = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                query = parse_qs(urlsplit(self.path).query)
-                expected = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-                if self.headers.get("Authorization") != expected:
-                    self.send_response(401)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                scopes = query.get("scope", [])
-                body = json.dumps({"token": service_ref.sign(scopes), "expires_in": 300}).encode()
-                service_ref.issued.extend(scopes)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def sign(self, scopes: list[str]) -> str:
-        from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.asymmetric import padding
-
-        access = []
-        for scope in scopes:
-            kind, name, actions = scope.split(":")
-            access.append({"type": kind, "name": name, "actions": actions.split(",")})
-        now = int(time.time())
-        header = {"alg": "RS256", "typ": "JWT", "x5c": [self.cert_der_b64]}
-        claims = {
-            "iss": self.issuer,
-            "sub": USER,
-            "aud": self.service,
-            "exp": now + 300,
-            "nbf": now - 60,
-            "iat": now,
-            "jti": uuid.uuid4().hex,
-            "access": access,
-        }
-        signing_input = f"{_b64url(json.dumps(header))}.{_b64url(json.dumps(claims))}"
-        signature = self.key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
-        return f"{signing_input}.{_b64url(signature)}"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _b64url(data: str | bytes) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
 @pytest.fixture
-def token_registry(tmp_path: Path) -> Iterator[tuple[str, _TokenService]]:
+def token_registry(tmp_path: Path) -> Iterator[tuple[str, TokenServer]]:
     require_tool("docker-registry")
-    tokens = _TokenService(tmp_path, "lazyblock-test", "lazyblock-test-issuer")
-    port = free_port()
-    config = tmp_path / "registry.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: error\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
-        "auth:\n  token:\n"
-        f"    realm: http://127.0.0.1:{tokens.port}/token\n"
-        f"    service: {tokens.service}\n    issuer: {tokens.issuer}\n"
-        f"    rootcertbundle: {tokens.cert_pem}\n"
-    )
-    with open(tmp_path / "registry.log", "wb") as log:
-        proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=log)
+    tokens = TokenServer(tmp_path, {USER: PASSWORD}, expires_in=300)
+    registry = AuthRegistry(tmp_path, {USER: PASSWORD}, tokens)
     try:
-        wait_port(port)
-        yield f"127.0.0.1:{port}", tokens
+        yield registry.host, tokens
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        registry.stop()
         tokens.stop()
 
 
@@ -332,5 +221,5 @@ def test_real_registry_token_auth(token_registry, tmp_path: Path, tiny_image) ->
         assert store.resolve("v1") == image.index_digest
         assert store.read_range(image.blob_digest, 1, 10) == image.blob[1:11]
         assert store.list_tags() == ["v1"]
-    assert "repository:lb/secure:pull,push" in tokens.issued
-    assert "repository:lb/secure:pull" in tokens.issued
+    assert tokens.granted("repository:lb/secure:pull,push")
+    assert tokens.granted("repository:lb/secure:pull")
