@@ -231,23 +231,37 @@ KEYS: dict[str, tuple[Any, str]] = {
 def load_config(path: Path | None = None, overrides: dict[str, object] | None = None) -> Config:
     """The configuration from ``path`` (default file if None; absent default = defaults),
     with ``overrides`` (``"section.key" -> value``) applied on top."""
-    flat: dict[str, object] = {}
+    return config_from_document(read_config_file(path), overrides, path or DEFAULT_CONFIG_PATH)
+
+
+def read_config_file(path: Path | None = None) -> dict[str, Any]:
+    """The parsed TOML of ``path`` (the default file if None; a missing default file is
+    empty, a missing explicit one an error). Shared by mounts and ``snapshotter serve``."""
     explicit = path is not None
     path = path or DEFAULT_CONFIG_PATH
-    if explicit or path.exists():
-        try:
-            doc = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
-        for section, table in doc.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
-            if section in DAEMON_SECTIONS:
-                continue  # read and checked by ``snapshotter serve`` (service.py)
-            for key, value in table.items():
-                flat[f"{section}.{key}"] = value
+    if not explicit and not path.exists():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_from_document(
+    doc: dict[str, Any], overrides: dict[str, object] | None = None, where: Path | str = ""
+) -> Config:
+    """The mount configuration from a parsed file (``where`` names it in errors); the
+    daemon's own sections are skipped."""
+    flat: dict[str, object] = {}
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: top-level key {section!r} must be a [section]")
+        if section in DAEMON_SECTIONS:
+            continue  # read and checked by ``snapshotter serve`` (service.py)
+        for key, value in table.items():
+            flat[f"{section}.{key}"] = value
     flat.update(overrides or {})
     return build_config(flat)
 

@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import threading
-import tomllib
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -35,7 +34,13 @@ from typing import Any
 import click
 import grpc
 
-from snapshotter.config import DEFAULT_CONFIG_PATH, ConfigError, MountConfig, build_config
+from snapshotter.config import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    MountConfig,
+    config_from_document,
+    read_config_file,
+)
 from snapshotter.proto import load as _load_stubs
 from snapshotter.snapshots import (
     Info,
@@ -85,24 +90,9 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
     """The ``[snapshotter]`` section of the config file (default path if None; a missing
     default file means defaults) with flag ``overrides`` on top; the other sections go to
     ``snapshotter.config`` for the mount configuration."""
-    explicit = path is not None
-    path = path or DEFAULT_CONFIG_PATH
-    doc: dict[str, Any] = {}
-    if explicit or path.exists():
-        try:
-            doc = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
-    own = dict(doc.pop("snapshotter", {}) or {})
-    flat = {
-        f"{section}.{key}": value
-        for section, table in doc.items()
-        if isinstance(table, dict)
-        for key, value in table.items()
-    }
-    config = build_config(flat)
+    doc = read_config_file(path)
+    config = config_from_document(doc, where=path or DEFAULT_CONFIG_PATH)  # checks sections
+    own = dict(doc.get("snapshotter", {}))
     own.update({k: v for k, v in overrides.items() if v not in (None, ())})
     unknown = set(own) - {"address", "root", "insecure_registries", "workers", "remount_interval"}
     if unknown:
