@@ -31,7 +31,8 @@ manifest we cannot read - is left to the normal unpack path.
 
 Known limits: ``ctr image pull`` of containerd 1.6/1.7 fetches every blob before unpacking and
 passes no labels, so it downloads the whole data blob and then fails to apply it; pull
-through CRI (``crictl pull``, kubelet), nerdctl or ctr >= 2.0 instead.
+through CRI (``crictl pull``, kubelet), nerdctl or containerd 2.x's transfer service (``ctr``
+>= 2.0, with ``enable_remote_snapshot_annotations`` in the proxy plugin's exports) instead.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ class LayerResolver:
         if not (image_ref and manifest_digest):
             raise RemoteLayerError(
                 f"lazyblock layer {target} came without the image reference and manifest "
-                "digest labels; pull through CRI, nerdctl or containerd >= 2.0, with "
-                "disable_snapshot_annotations = false"
+                "digest labels; pull through CRI with disable_snapshot_annotations = false, "
+                "nerdctl, or containerd 2.x's transfer service with the proxy plugin's "
+                'exports enable_remote_snapshot_annotations = "true"'
             )
         host, repository = split_image_ref(image_ref)
         if role is None:

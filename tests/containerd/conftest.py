@@ -1,4 +1,5 @@
-"""Fixtures for the containerd tests: the snapshotter daemon and a private containerd."""
+"""Fixtures for the containerd tests: the snapshotter daemon and a private containerd, once
+per containerd flavour (Debian's 1.6 and 2.x from ``scripts/fetch-containerd2``)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,36 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Containerd, SnapshotterDaemon, unmount_under
-from support import Registry, require_fuse, require_tool
+from harness import FLAVOURS, Containerd, Flavour, SnapshotterDaemon, find_flavour, unmount_under
+from support import Registry, require, require_fuse, require_tool
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def flavour(request: pytest.FixtureRequest) -> Flavour:
+    """Which containerd the module's node runs: every test using ``node`` runs on each."""
+    require_fuse()
+    require_tool("runc", "umoci", "skopeo")
+    if request.param == "1.6":
+        require_tool("containerd", "ctr", "containerd-shim-runc-v2")
+    found = find_flavour(request.param)
+    require(isinstance(found, Flavour), f"containerd {request.param}: {found}")
+    assert isinstance(found, Flavour)
+    return found
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, registry: Registry) -> Iterator[Containerd]:
+def node(
+    tmp_path_factory: pytest.TempPathFactory, registry: Registry, flavour: Flavour
+) -> Iterator[Containerd]:
     """containerd + the lazyblock daemon, sharing the session's registry (module-scoped:
     starting containerd takes a few seconds)."""
-    require_fuse()
-    require_tool("containerd", "ctr", "runc", "containerd-shim-runc-v2", "umoci", "skopeo")
-    root = tmp_path_factory.mktemp("node")
+    root = tmp_path_factory.mktemp(f"node-{flavour.name}")
     daemon = SnapshotterDaemon(root / "lazyblock", registry.host)
     containerd: Containerd | None = None
     try:
         daemon.start()
         (root / "containerd").mkdir()
-        containerd = Containerd(root / "containerd", daemon, registry.host)
+        containerd = Containerd(root / "containerd", daemon, registry.host, flavour)
         yield containerd
     finally:
         try:

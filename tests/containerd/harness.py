@@ -1,10 +1,13 @@
 """Real containerd and the lazyblock snapshotter daemon for end-to-end tests (import as
 ``harness``).
 
-Each test session gets its own containerd (own root, state, socket and config: nothing of a
+Each test module gets its own containerd (own root, state, socket and config: nothing of a
 system containerd is touched), with the daemon as ``[proxy_plugins.lazyblock]`` and the CRI
 plugin set up the way a node is (``snapshotter = "lazyblock"``,
-``disable_snapshot_annotations = false``, plain HTTP to the loopback test registry).
+``disable_snapshot_annotations = false``, plain HTTP to the loopback test registry). Two
+flavours: Debian's containerd 1.6 (config version 2) and containerd 2.x (config version 3,
+from ``scripts/fetch-containerd2``'s private cache), written as ``deploy/containerd/`` has
+them.
 Teardown kills tasks, removes containers, stops containerd and its shims (found by our
 socket path, never by name), the daemon, and unmounts whatever is left under the test root.
 """
@@ -12,10 +15,12 @@ socket path, never by name), the daemon, and unmounts whatever is left under the
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,6 +33,38 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "lbtest"
 CRI_NAMESPACE = "k8s.io"
+REPO = Path(__file__).resolve().parents[2]
+FLAVOURS = ("1.6", "2.x")
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Which containerd: where its binaries are and which config version it reads."""
+
+    name: str  # "1.6" (Debian 12's) or "2.x"
+    bin_dir: Path | None  # None: the system's, on PATH
+    config_version: int  # 2 for 1.6/1.7, 3 for 2.x
+
+    def binary(self, name: str) -> str:
+        return str(self.bin_dir / name) if self.bin_dir else name
+
+    def env(self) -> dict[str, str]:
+        """containerd finds ``containerd-shim-runc-v2`` on PATH: its own first."""
+        env = dict(os.environ)
+        if self.bin_dir:
+            env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+
+def find_flavour(name: str) -> Flavour | str:
+    """The flavour called ``name``, or why it is not available (a skip reason)."""
+    if name == "1.6":
+        return Flavour(name, None, 2)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/fetch-containerd2"), "--cached"],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        return proc.stderr.strip() or "no containerd 2.x"
+    return Flavour(name, Path(proc.stdout.strip()), 3)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -88,42 +125,25 @@ class SnapshotterDaemon:
 
 
 class Containerd:
-    def __init__(self, root: Path, snapshotter: SnapshotterDaemon, registry_host: str) -> None:
+    def __init__(
+        self, root: Path, snapshotter: SnapshotterDaemon, registry_host: str, flavour: Flavour
+    ) -> None:
         self.root = root
         self.address = root / "containerd.sock"
         self.config = root / "config.toml"
         self.snapshotter = snapshotter
+        self.flavour = flavour
         (root / "cni").mkdir(exist_ok=True)
-        self.config.write_text(
-            f"""version = 2
-root = "{root / "root"}"
-state = "{root / "state"}"
-[grpc]
-  address = "{self.address}"
-[ttrpc]
-  address = "{self.address}.ttrpc"
-[proxy_plugins]
-  [proxy_plugins.lazyblock]
-    type = "snapshot"
-    address = "{snapshotter.address}"
-[plugins."io.containerd.grpc.v1.cri"]
-  disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "lazyblock"
-    disable_snapshot_annotations = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{root / "cni"}"
-    conf_dir = "{root / "cni"}"
-  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{registry_host}"]
-    endpoint = ["http://{registry_host}"]
-"""
-        )
+        if flavour.config_version >= 3:
+            text = config_v3(root, self.address, snapshotter.address, registry_host)
+        else:
+            text = config_v2(root, self.address, snapshotter.address, registry_host)
+        self.config.write_text(text)
         self.log = root / "containerd.log"
         logf = open(self.log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            ["containerd", "--config", str(self.config)],
-            stdout=logf, stderr=logf, start_new_session=True,
+            [flavour.binary("containerd"), "--config", str(self.config)],
+            stdout=logf, stderr=logf, start_new_session=True, env=flavour.env(),
         )  # fmt: skip
         logf.close()
         wait_for(self.address, self.proc, "containerd")
@@ -133,8 +153,9 @@ state = "{root / "state"}"
         self, *args: str, namespace: str = NAMESPACE, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            ["ctr", "--address", str(self.address), "--namespace", namespace, *args],
-            capture_output=True, text=True, timeout=timeout,
+            [self.flavour.binary("ctr"), "--address", str(self.address), "--namespace",
+             namespace, *args],
+            capture_output=True, text=True, timeout=timeout, env=self.flavour.env(),
         )  # fmt: skip
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -170,6 +191,68 @@ state = "{root / "state"}"
                 self.proc.kill()
                 self.proc.wait()
         kill_processes_naming(str(self.address))
+
+
+def config_v2(root: Path, address: Path, proxy: Path, registry_host: str) -> str:
+    """containerd 1.6/1.7 (deploy/containerd/config-1.6-1.7.toml, plus private paths)."""
+    return f"""version = 2
+root = "{root / "root"}"
+state = "{root / "state"}"
+[grpc]
+  address = "{address}"
+[ttrpc]
+  address = "{address}.ttrpc"
+[proxy_plugins]
+  [proxy_plugins.lazyblock]
+    type = "snapshot"
+    address = "{proxy}"
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "lazyblock"
+    disable_snapshot_annotations = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{root / "cni"}"
+    conf_dir = "{root / "cni"}"
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{registry_host}"]
+    endpoint = ["http://{registry_host}"]
+"""
+
+
+DEPLOY_CONFIG_V3 = REPO / "deploy/containerd/config-2.x.toml"
+
+
+def config_v3(root: Path, address: Path, proxy: Path, registry_host: str) -> str:
+    """containerd 2.x: deploy/containerd/config-2.x.toml itself (so that file is what is
+    tested), with this node's socket and hosts directory put in and private paths added;
+    the loopback registry over plain HTTP through a hosts.toml under ``config_path``."""
+    certs = root / "certs.d"
+    (certs / registry_host).mkdir(parents=True, exist_ok=True)
+    (certs / registry_host / "hosts.toml").write_text(
+        f'server = "http://{registry_host}"\n'
+        f'[host."http://{registry_host}"]\n  capabilities = ["pull", "resolve"]\n'
+    )
+    deploy = DEPLOY_CONFIG_V3.read_text()
+    for default, ours in (("/run/lazyblock/snapshotter.sock", proxy),
+                          ("/etc/containerd/certs.d", certs)):  # fmt: skip
+        assert default in deploy, f"{DEPLOY_CONFIG_V3} no longer names {default}"
+        deploy = deploy.replace(f'"{default}"', f'"{ours}"')
+    top = f'root = "{root / "root"}"\nstate = "{root / "state"}"\n'
+    private = f"""
+[grpc]
+  address = "{address}"
+[ttrpc]
+  address = "{address}.ttrpc"
+[plugins."io.containerd.cri.v1.runtime".cni]
+  bin_dirs = ["{root / "cni"}"]
+  conf_dir = "{root / "cni"}"
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+"""
+    version, rest = deploy.split("version = 3\n", 1)
+    return f"{version}version = 3\n{top}{rest}{private}"
 
 
 def unmount_under(root: Path) -> None:

@@ -1,5 +1,6 @@
 """End to end with real containerd, runc and the registry: ordinary images through the
-lazyblock snapshotter, converted images mounted lazily, daemon restarts, removal.
+lazyblock snapshotter, converted images mounted lazily, daemon restarts, removal. Every test
+runs on each containerd flavour (1.6 and 2.x: the ``node`` fixture's parameter).
 
 Marked root + integration: CI runs them as root (``.ci/run``)."""
 
@@ -104,10 +105,18 @@ def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> 
 BIG = 48 << 20  # never read by the container: the bytes a lazy pull must not fetch
 
 
-def registry_blob_bytes(registry: Registry, digest: str) -> int:
-    """Bytes the registry sent for blob ``digest`` (from its access log)."""
+def registry_log_end(registry: Registry) -> int:
+    """Where the registry's access log ends now (to count what a test reads after it)."""
+    return registry.log.stat().st_size
+
+
+def registry_blob_bytes(registry: Registry, digest: str, since: int = 0) -> int:
+    """Bytes the registry sent for blob ``digest`` (from its access log, after ``since``)."""
     total = 0
-    for line in registry.log.read_text(errors="replace").splitlines():
+    with open(registry.log, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    for line in text.splitlines():
         m = re.search(r'"GET [^"]*/blobs/' + re.escape(digest) + r' HTTP/[0-9.]+" \d+ (\d+)', line)
         if m:
             total += int(m.group(1))
@@ -115,8 +124,9 @@ def registry_blob_bytes(registry: Registry, digest: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def lazy_image(node: Containerd, registry: Registry, tmp_path_factory: pytest.TempPathFactory):
-    """A 2-layer image (busybox + app with 48 MiB of data) converted into the registry."""
+def lazy_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer image (busybox + app with 48 MiB of data) converted into the registry (once
+    for both containerd flavours)."""
     tmp = tmp_path_factory.mktemp("lazyimg")
     layout = sample_image(tmp, big=BIG)
     ref = f"{registry.host}/lazy/app:v1"
@@ -132,6 +142,7 @@ def lazy_image(node: Containerd, registry: Registry, tmp_path_factory: pytest.Te
 def test_converted_image_runs_lazily(node: Containerd, registry: Registry, lazy_image) -> None:
     ref, manifest = lazy_image
     blob = manifest["layers"][0]
+    start = registry_log_end(registry)
     node.cri_pull(ref)
     run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
     out = node.ctr(*run, "lazy1", namespace=CRI_NAMESPACE).stdout
@@ -139,12 +150,41 @@ def test_converted_image_runs_lazily(node: Containerd, registry: Registry, lazy_
     out = node.ctr(*run, "lazy2", "/bin/sh", "-c", "echo $GREETING; pwd; id -u; ls /app",
                    namespace=CRI_NAMESPACE).stdout  # fmt: skip
     assert out == "hi\n/app\n0\ndata.bin\nmsg\n"
-    read = registry_blob_bytes(registry, blob["digest"])
+    read = registry_blob_bytes(registry, blob["digest"], start)
     assert 0 < read < blob["size"] // 4, (read, blob["size"])
     logging.getLogger(__name__).info("read %d of %d blob bytes", read, blob["size"])
     snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
                      namespace=CRI_NAMESPACE).stdout  # fmt: skip
     assert snaps.count("Committed") == 2
+
+
+def test_ctr_pull_of_a_converted_image(node: Containerd, registry: Registry, lazy_image) -> None:
+    """``ctr image pull --snapshotter lazyblock``: on 2.x its transfer service passes the
+    layer labels (``enable_remote_snapshot_annotations`` in the proxy plugin's exports), so
+    the image is mounted lazily; 1.6's ctr fetches every blob first and passes no labels."""
+    ref, manifest = lazy_image
+    blob = manifest["layers"][0]
+    start = registry_log_end(registry)
+    pull = node.ctr("image", "pull", "--plain-http", "--snapshotter", "lazyblock", ref,
+                    check=node.flavour.config_version >= 3)  # fmt: skip
+    read = registry_blob_bytes(registry, blob["digest"], start)
+    try:
+        if node.flavour.config_version < 3:  # the limit deploy/README.md documents
+            assert pull.returncode != 0
+            assert "no processor for media-type" in pull.stderr
+            assert read == blob["size"]
+            return
+        assert read < blob["size"] // 4, (read, blob["size"])
+        out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "tpull1").stdout
+        assert out == "hello from lazyblock\n"
+        snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls").stdout
+        assert snaps.count("Committed") == 2
+        chain = snaps.splitlines()[1].split()[0]
+        info = json.loads(node.ctr("snapshots", "--snapshotter", "lazyblock", "info", chain).stdout)
+        assert info["Labels"]["containerd.io/snapshot/remote"] == "remote"
+    finally:
+        remove_images(node, NAMESPACE)
+        assert wait_no_snapshots(node, NAMESPACE) == []
 
 
 def _mount_config(node: Containerd):  # noqa: ANN202
