@@ -502,6 +502,10 @@ class RegistryClient:
         return f"repository:{self.repository}:{'pull,push' if push else 'pull'}"
 
     def _creds(self) -> tuple[str, str] | None:
+        if not self._credentials_loaded and self.options.credentials is not None:
+            user, secret = self.options.credentials
+            self._credentials = (str(user), str(secret))
+            self._credentials_loaded = True
         if not self._credentials_loaded:
             path = default_docker_config(self.options)
             self._credentials = load_docker_credentials(path, self.host)
@@ -511,6 +515,11 @@ class RegistryClient:
                 "found" if self._credentials else "no", path,
             )  # fmt: skip
         return self._credentials
+
+    def _creds_source(self) -> str:
+        if self.options.credentials is not None:
+            return "the credentials given at run time"
+        return str(default_docker_config(self.options))
 
     def _auth_header(self, push: bool) -> str | None:
         if self._scheme == "basic":
@@ -558,7 +567,7 @@ class RegistryClient:
         if self._scheme == "basic":
             raise AuthError(
                 f"{self.where}: {what}: the registry refused our credentials for {self.host} "
-                f"(from {default_docker_config(self.options)})"
+                f"(from {self._creds_source()})"
             )
         raise AuthError(
             f"{self.where}: {what}: the registry refused our token for {self._scope(push)}"

@@ -121,6 +121,8 @@ class MountConfig:
         store = dict(doc.pop("store", {}))
         if store.get("docker_config"):
             store["docker_config"] = Path(store["docker_config"])
+        if store.get("credentials"):
+            store["credentials"] = tuple(store["credentials"])
         return cls(
             **{
                 **doc,

@@ -13,7 +13,7 @@ Backend errors are mapped to ``imagetool.errors`` inside each backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,9 @@ class StoreOptions:
     timeout: float = 30.0  # seconds per request
     retries: int = 3  # attempts after the first for idempotent reads
     docker_config: Path | None = None  # default: $DOCKER_CONFIG/config.json or ~/.docker/...
+    # (username, secret) for the registry host, given at run time (e.g. by a CRI pull):
+    # used instead of docker_config; held in memory, never written or shown in a repr.
+    credentials: tuple[str, str] | None = field(default=None, repr=False)
 
 
 class Store(ABC):
