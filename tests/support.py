@@ -248,10 +248,11 @@ class PausableProxy:
 class TokenServer:
     """A registry token service (what ``auth: token: realm`` names) on loopback.
 
-    It checks Basic credentials against ``users`` (anonymous requests are refused) and
-    issues RS256 JWTs, signed with a key and certificate made here, for the scopes asked
-    for. ``expires_in`` is what it tells clients; ``lifetime`` (default: the same) is how
-    long the registry accepts the token, so a test can also hand out tokens that die early.
+    It checks Basic credentials (GET) or an OAuth2 password grant (POST) against ``users``
+    (anonymous requests are refused) and issues RS256 JWTs, signed with a key and
+    certificate made here, for the scopes asked for. ``expires_in`` is what it tells clients;
+    ``lifetime`` (default: the same) is how long the registry accepts the token, so a test
+    can also hand out tokens that die early.
     Every request is recorded in ``requests`` (time, account, scopes, whether granted).
     """
 
@@ -320,6 +321,32 @@ class TokenServer:
                 token = server.sign(account, scopes)
                 server.tokens.append(token)
                 doc = {"token": token, "expires_in": server.expires_in}
+                self._reply(200, json.dumps(doc).encode())
+
+            def do_POST(self) -> None:  # noqa: N802
+                """The OAuth2 password grant (what containerd tries first when it has a
+                username and password): form fields instead of a Basic header."""
+                from urllib.parse import parse_qs
+
+                length = int(self.headers.get("Content-Length") or 0)
+                form = parse_qs(self.rfile.read(length).decode())
+                user = form.get("username", [""])[0]
+                ok = (
+                    form.get("grant_type") == ["password"]
+                    and user in server.users
+                    and server.users[user] == form.get("password", [None])[0]
+                )
+                scopes = " ".join(form.get("scope", [])).split()
+                server.requests.append(
+                    {"time": time.time(), "account": user if ok else None, "scopes": scopes,
+                     "ok": ok}
+                )  # fmt: skip
+                if not ok:
+                    self._reply(401, b'{"error":"invalid_grant"}')
+                    return
+                token = server.sign(user, scopes)
+                server.tokens.append(token)
+                doc = {"access_token": token, "expires_in": server.expires_in}
                 self._reply(200, json.dumps(doc).encode())
 
             def _reply(self, status: int, body: bytes) -> None:
