@@ -133,7 +133,11 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
                 click.echo(f"snapshotter: error: {doc['type']}: {doc['error']}", err=True)
 
         sys.exit(api.run_foreground(ref, mountpoint, config.mount, ready))
-    info = api.mount(ref, mountpoint, config.mount, log_level=ctx.find_root().obj["log_level"])
+    # No fork server yet (the node's first mount): this process, which has imported much of
+    # what the server needs, forks itself into it rather than starting a new interpreter.
+    info = api.mount(
+        ref, mountpoint, config.mount, log_level=ctx.find_root().obj["log_level"], fork_self=True
+    )
     log.info("mounted in %.3fs", time.monotonic() - started)
     click.echo(f"{info.mountpoint} {info.index_digest} pid={info.pid} backing={info.backing}")
 
@@ -297,6 +301,9 @@ def metrics(listen: str | None, config) -> None:  # noqa: ANN001
 
 
 def main() -> None:
+    from snapshotter.startup import skip_unused_imports
+
+    skip_unused_imports()
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

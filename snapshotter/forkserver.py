@@ -363,12 +363,47 @@ def _child(
 ) -> None:  # fmt: skip
     """The forked mount server: detach from the fork server, take on the caller's context
     and serve; always leaves through ``os._exit``."""
+    _become_server(
+        request["mount"], log_fd, ready_fd, "fork", close=(listener, conn),
+        env=request["env"], umask=int(request["umask"]),
+    )  # fmt: skip
+
+
+def fork_self(request: dict[str, Any], log_fd: int, ready_fd: int, close: tuple[int, ...]) -> int:
+    """Fork this process into the mount server for ``request`` (what the fork server does for
+    a caller, done by the caller itself): for a caller that has no threads and runs the code
+    it imported, the ``snapshotter`` command above all, which has then imported much of what
+    a server needs and spares it a new interpreter's start. ``close``: descriptors the server
+    must not keep. Returns the server's pid (a child of this process, in its own session);
+    raises ``ForkServerError`` if this process has threads (nothing forked)."""
+    if threading.active_count() != 1:
+        raise ForkServerError("this process has threads; it will not fork itself")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _become_server(request, log_fd, ready_fd, "self", close=close)  # never returns
+    return pid
+
+
+def _become_server(
+    request: dict[str, Any], log_fd: int, ready_fd: int, launch: str, *,
+    close: tuple[socket.socket | int, ...] = (), env: dict[str, str] | None = None,
+    umask: int | None = None,
+) -> None:  # fmt: skip
+    """In a child just forked: detach (own session, stdio on the log, ``/`` as working
+    directory, default signal handling), take on ``env`` and ``umask`` if given, serve the
+    mount ``request`` and leave through ``os._exit``, never back into the caller's code."""
     code = 1
     try:
         os.setsid()
         _set_name(CHILD_NAME)
-        listener.close()
-        conn.close()
+        for item in close:
+            with contextlib.suppress(OSError):
+                if isinstance(item, socket.socket):
+                    item.close()
+                else:
+                    os.close(item)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -376,15 +411,17 @@ def _child(
         os.dup2(log_fd, 2)
         os.close(log_fd)
         os.chdir("/")
-        os.umask(int(request["umask"]))
-        os.environ.clear()
-        os.environ.update(request["env"])
+        if umask is not None:
+            os.umask(umask)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         from snapshotter import mountd
 
-        code = mountd.serve_request(request["mount"], ready_fd, launch="fork")
-    except BaseException:  # noqa: BLE001 - report and leave; never back into serve()
+        code = mountd.serve_request(request, ready_fd, launch=launch)
+    except BaseException:  # noqa: BLE001 - report and leave; never back into the caller
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
@@ -402,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package-dir", type=Path, required=True)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     args = parser.parse_args(argv)
+    from snapshotter.startup import skip_unused_imports
+
+    skip_unused_imports()
     return serve(args.key, args.package_dir, args.idle_timeout)
 
 

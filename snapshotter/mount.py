@@ -11,7 +11,9 @@ Each mount is served by its own long-lived process (``snapshotter.mountd``), sta
 here, so the caller may exit or restart without disturbing running containers: forked from
 the pre-imported fork server of this context (``snapshotter.forkserver``), which spares it
 the interpreter's start and imports, or, when there is none yet (the first mount), as a new
-interpreter, after which the fork server is started for the mounts that follow. ``mount``
+interpreter (the ``snapshotter`` command instead forks itself into the server: it has
+imported much of the server's code already), after which the fork server is started for the
+mounts that follow. ``mount``
 returns once that server reports the tree browsable (index verified, metadata sectors local,
 erofs mounted). Everything a later process needs to find and clean up a mount is recorded
 under ``config.state_dir`` (``snapshotter.state``), so ``unmount`` also works after the
@@ -118,12 +120,17 @@ def mount(
     *,
     log_level: int = logging.INFO,
     fork_server: bool = True,
+    fork_self: bool = False,
 ) -> MountInfo:
     """Mount image ``ref`` read-only at ``mountpoint`` (an existing directory), served by a
     new detached server process. Returns when the tree is browsable.
 
     ``fork_server=False`` starts the server as a new interpreter rather than forking it
-    from the fork server (slower; for callers that import other code than they run)."""
+    from the fork server (slower; for callers that import other code than they run).
+    ``fork_self=True``: when the fork server cannot be used (none runs yet, or not asked
+    for), this process forks itself into the server instead of starting a new interpreter;
+    only for a caller that has no threads and runs the code it imported (the
+    ``snapshotter`` command; a process with threads gets a new interpreter)."""
     mountpoint = Path(os.path.abspath(mountpoint))
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)
@@ -140,11 +147,14 @@ def mount(
         "mountpoint": str(mountpoint),
         "config": config.to_dict(),
         "log_level": log_level,
+        "sent_at": time.time(),  # the server reports how long it took to start ("launch")
     }
     read_end, write_end = os.pipe()
     try:
         with open(directory / state.LOG_FILE, "ab") as logf:
-            server = _start_server(request, logf.fileno(), write_end, fork_server)
+            server = _start_server(
+                request, logf.fileno(), write_end, fork_server, fork_self, close=(read_end,)
+            )
         os.close(write_end)
         write_end = -1
         answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)
@@ -174,18 +184,27 @@ def mount(
 
 
 class _Server:
-    """A mount server just started: our child (a new interpreter), or the fork server's
-    (``pid`` None if the fork server did not say)."""
+    """A mount server just started: our child (a new interpreter, ``proc``, or this process
+    forked, ``child``), or the fork server's (``pid`` None if the fork server did not say)."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes] | None, pid: int | None, want_fork_server: bool = False
+        self,
+        proc: subprocess.Popen[bytes] | None,
+        pid: int | None,
+        want_fork_server: bool = False,
+        child: bool = False,
     ) -> None:
         self.proc = proc
         self.want_fork_server = want_fork_server  # there was none; start it for next time
         self.pid = proc.pid if proc is not None else pid
+        self.child = child  # ``pid`` is a child of ours (to be reaped by us)
         self._start = state.process_start(self.pid) if self.pid else None
 
     def _running(self) -> bool:
+        if self.child:
+            with contextlib.suppress(ChildProcessError):
+                return os.waitpid(self.pid or 0, os.WNOHANG)[0] == 0
+            return False
         return self._start is not None and state.process_start(self.pid or 0) == self._start
 
     def kill(self) -> None:
@@ -217,12 +236,24 @@ class _Server:
         (the fork server reaps its own)."""
         if self.proc is not None:
             threading.Thread(target=self.proc.wait, name="lazyblock-reap", daemon=True).start()
+        elif self.child:
+            threading.Thread(target=_reap, args=(self.pid,), name="lazyblock-reap",
+                             daemon=True).start()  # fmt: skip
 
 
-def _start_server(request: dict[str, Any], log_fd: int, ready_fd: int, fork: bool) -> _Server:
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _start_server(
+    request: dict[str, Any], log_fd: int, ready_fd: int, fork: bool, fork_self: bool,
+    close: tuple[int, ...],
+) -> _Server:  # fmt: skip
     """Start the mount server for ``request``, detached, logging to ``log_fd`` and reporting
-    readiness on ``ready_fd``: forked by the fork server if it can, else as a new
-    interpreter."""
+    readiness on ``ready_fd``: forked by the fork server if it can, else (``fork_self``) by
+    forking this process, else as a new interpreter. ``close``: descriptors of ours that
+    the server must not keep."""
     unavailable = False
     if fork:
         try:
@@ -231,6 +262,12 @@ def _start_server(request: dict[str, Any], log_fd: int, ready_fd: int, fork: boo
             unavailable = True
         except forkserver.ForkServerError as e:
             log.info("fork server: %s; starting the mount server directly", e)
+    if fork_self:
+        try:
+            pid = forkserver.fork_self(request, log_fd, ready_fd, close)
+            return _Server(None, pid, want_fork_server=unavailable, child=True)
+        except forkserver.ForkServerError as e:
+            log.info("%s; starting the mount server as a new interpreter", e)
     proc = subprocess.Popen(
         [sys.executable, "-m", "snapshotter.mountd", "--ready-fd", str(ready_fd)],
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(ready_fd,),

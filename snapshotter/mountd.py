@@ -23,9 +23,12 @@ the kernel when the server's /dev/fuse closes) and the socket.
 Readiness goes to the parent as one JSON line on an inherited pipe: ``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "error": ...}``.
 
-It runs either as its own interpreter (``python -m snapshotter.mountd``, the request as JSON
-on stdin) or forked from the pre-imported fork server (``snapshotter.forkserver``); both
-end up in ``serve_request``.
+It runs as its own interpreter (``python -m snapshotter.mountd``, the request as JSON on
+stdin), forked from the pre-imported fork server (``snapshotter.forkserver``) or forked from
+its caller (the ``snapshotter`` command, when no fork server runs yet); all end up in
+``serve_request``. Its statistics say which (``launch``: exec, fork, self) and how long each
+step of the mount took (``mount_seconds``, with ``launch``: from the caller's request to the
+server's first step).
 """
 
 from __future__ import annotations
@@ -73,9 +76,15 @@ class MountServer:
     """One mounted image. ``start`` does steps 1-5, ``serve`` step 6, ``close`` tears down."""
 
     def __init__(
-        self, ref: str, mountpoint: Path, config: MountConfig, launch: str = "exec"
+        self,
+        ref: str,
+        mountpoint: Path,
+        config: MountConfig,
+        launch: str = "exec",
+        sent_at: float | None = None,
     ) -> None:
         self.ref = ref
+        self.sent_at = sent_at  # time.time() at which the caller asked for this server
         self.launch = launch  # how this process started: "exec" or "fork" (fork server)
         self.mountpoint = Path(os.path.abspath(mountpoint))
         self.config = config
@@ -107,6 +116,8 @@ class MountServer:
     def start(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
+        # From the caller's request to here: a new interpreter's start and imports, or a fork.
+        launched = time.time() - self.sent_at if self.sent_at is not None else None
         if not self.mountpoint.is_dir():
             raise MountServerError(f"mountpoint {self.mountpoint} is not a directory")
         if kernel.is_mountpoint(self.mountpoint):
@@ -120,7 +131,9 @@ class MountServer:
 
         ref = parse_ref(self.ref)
         self.store = open_store(ref, cfg.store)
+        ts = time.monotonic()
         self.index_digest = self.store.resolve_ref(ref)
+        tr = time.monotonic()
         self.index = self._load_index()
         blob_size = _Task("lazyblock-blob-size", self.store.blob_size, self.index.blob_digest)
         t1 = time.monotonic()
@@ -170,7 +183,12 @@ class MountServer:
         self._mount_seconds = {
             "index": t1 - t0, "cache_open": tc - t1, "metadata": t2 - tc, "fuse": t3 - t2,
             "kernel": t4 - t3, "blob_check": t5 - t4, "total": t5 - t0,
+            # the index phase in parts: opening the store (its client's imports, TLS
+            # context), resolving the reference, reading and verifying the index
+            "store_open": ts - t0, "resolve": tr - ts, "index_read": t1 - tr,
         }  # fmt: skip
+        if launched is not None:
+            self._mount_seconds["launch"] = launched
         self.control = ControlServer(
             self.dir / state.CONTROL_SOCKET, {"stats": self._stats, "profile": self._profile}
         ).start()
@@ -383,11 +401,12 @@ def run(
     config: MountConfig,
     ready: Callable[[dict[str, Any]], None],
     launch: str = "exec",
+    sent_at: float | None = None,
 ) -> int:
     """Run a mount server in this process until it is unmounted; returns an exit code.
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
-    server = MountServer(ref, mountpoint, config, launch)
+    server = MountServer(ref, mountpoint, config, launch, sent_at)
     # Installed before libfuse starts, so libfuse leaves these signals to us.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, server.request_stop)
@@ -423,12 +442,17 @@ def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") 
             ready_file.write(json.dumps(doc) + "\n")
             ready_file.close()
 
-    return run(request["ref"], Path(request["mountpoint"]), config, ready, launch)
+    return run(
+        request["ref"], Path(request["mountpoint"]), config, ready, launch, request.get("sent_at")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m snapshotter.mountd --ready-fd N`` with the request (see
     ``serve_request``) as JSON on stdin."""
+    from snapshotter.startup import skip_unused_imports
+
+    skip_unused_imports()
     parser = argparse.ArgumentParser(prog="snapshotter-mountd")
     parser.add_argument("--ready-fd", type=int, required=True)
     args = parser.parse_args(argv)

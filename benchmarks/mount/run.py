@@ -327,9 +327,10 @@ def main() -> int:
             for k in passes[0]
             if isinstance(passes[0][k], float | int)
         }
-        for key in ("first_mount_breakdown", "mount_breakdown", "mount_launch",
-                    "remount_breakdown", "remount_launch"):  # fmt: skip
-            r[key] = passes[-1][key]
+        for key in ("cli_first_mount_breakdown", "first_mount_breakdown", "mount_breakdown",
+                    "mount_launch", "remount_breakdown", "remount_launch"):  # fmt: skip
+            if key in passes[-1]:
+                r[key] = passes[-1][key]
         r["targets"] = {"mount_under_0.5s": r["mount_seconds"] < 0.5}  # type: ignore[operator]
         if args.mount_only:
             results[name] = r

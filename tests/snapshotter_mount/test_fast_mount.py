@@ -126,3 +126,63 @@ def test_fork_server_serves_only_its_own_uid(tmp_path) -> None:  # noqa: ANN001
             continue
     answer = json.loads(proc.stdout)
     assert "pid" not in answer and "uid 65534" in answer["error"]
+
+
+_FORK_SELF = """
+import json, os, sys, threading
+from pathlib import Path
+from snapshotter import mount as api
+from snapshotter.config import MountConfig
+cfg = MountConfig.from_dict(json.loads(sys.argv[1]))
+if sys.argv[4] == "threads":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+try:
+    info = api.mount(sys.argv[2], Path(sys.argv[3]), cfg, fork_server=False, fork_self=True)
+    out = {"pid": info.pid, "launch": api.stats(info.mountpoint, cfg)["launch"]}
+except api.MountError as e:
+    out = {"error": str(e)}
+try:  # every child of ours is reaped (a failed server too), or still serving
+    out["unreaped"] = os.waitpid(-1, os.WNOHANG)[0] != 0
+except ChildProcessError:
+    out["unreaped"] = False
+print(json.dumps(out))
+"""
+
+
+def _mount_forking_self(config, ref: str, mnt: Path, threads: bool = False) -> dict:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_SELF, json.dumps(config.to_dict()), ref, str(mnt),
+         "threads" if threads else "-"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["single-threaded", "with-threads"])
+def test_a_caller_without_a_fork_server_forks_itself_into_the_server(
+    threads, config, umoci_source, umoci_dir_ref, tmp_path
+) -> None:  # noqa: ANN001
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = _mount_forking_self(config, umoci_dir_ref, mnt, threads)
+    # A caller with threads must not fork: it starts a new interpreter instead.
+    assert out["launch"] == ("exec" if threads else "self")
+    assert os.getsid(out["pid"]) == out["pid"]  # detached: its own session
+    assert (config.state_dir / "mounts").exists() and api.list_mounts(config)[0].alive
+    assert snapshot(mnt) == snapshot(umoci_source[1])
+    api.unmount(mnt, config)
+    assert not kernel.is_mountpoint(mnt) and api.list_mounts(config) == []
+
+
+def test_a_server_forked_from_its_caller_that_fails_is_reaped_and_leaves_nothing(
+    config, tmp_path
+) -> None:  # noqa: ANN001
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = _mount_forking_self(config, str(tmp_path / "nostore" / "img:v1"), mnt)
+    assert "cannot mount" in out["error"] and "\n" not in out["error"]
+    assert out["unreaped"] is False
+    assert not kernel.is_mountpoint(mnt) and api.list_mounts(config) == []
