@@ -1,12 +1,11 @@
 """Registry credentials for the snapshotter daemon and the mount servers it starts.
 
-Sources, in order of precedence (the first that names a host wins):
-
-1. credentials given at run time with ``add`` (e.g. from a CRI pull's auth, when a caller
-   forwards them) - kept in memory only;
-2. docker ``config.json`` files (``auths``) and Kubernetes ``kubernetes.io/dockerconfigjson``
-   secrets mounted as files (``.dockerconfigjson``): each source is a file or a directory
-   searched for ``config.json``/``.dockerconfigjson``/``*.json``.
+Sources (the first that names a host wins): docker ``config.json`` files (``auths``) and
+Kubernetes ``kubernetes.io/dockerconfigjson`` secrets mounted as files
+(``.dockerconfigjson``); each source is a file or a directory searched for
+``config.json``/``.dockerconfigjson``/``*.json``. Credentials from the kubelet's CRI pulls are
+not merged here (they would land on disk): ``snapshotter.crikeychain`` holds them in memory
+and they take precedence, per repository, over this file.
 
 They are merged into one docker ``config.json`` under the daemon's root (mode 0600, written
 atomically), which is what every mount server's ``StoreOptions.docker_config`` names.
@@ -18,7 +17,6 @@ hosts and files only.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -73,16 +71,7 @@ class Credentials:
         self.sources = [Path(s) for s in sources]
         self.out = Path(out)
         self._lock = threading.Lock()
-        self._runtime: dict[str, dict[str, str]] = {}
         self._seen: tuple[tuple[str, int, int], ...] | None = None
-
-    def add(self, host: str, username: str, secret: str) -> None:
-        """Credentials for ``host`` known at run time (take precedence over files)."""
-        auth = base64.b64encode(f"{username}:{secret}".encode()).decode()
-        with self._lock:
-            self._runtime[host] = {"auth": auth}
-            self._seen = None  # force a rewrite
-        log.info("registry credentials for %s updated", host)
 
     def _fingerprint(self, files: list[Path]) -> tuple[tuple[str, int, int], ...]:
         out = []
@@ -105,13 +94,9 @@ class Credentials:
             for f in reversed(files):  # earlier sources win
                 for key, entry in _auths(f).items():
                     merged[_host_of(key)] = entry
-            merged.update(self._runtime)
             self._write({"auths": merged})
             self._seen = seen
-            log.info(
-                "registry credentials: %d host(s) from %d file(s)%s",
-                len(merged), len(files), " and run time" if self._runtime else "",
-            )  # fmt: skip
+            log.info("registry credentials: %d host(s) from %d file(s)", len(merged), len(files))
             return self.out
 
     def _write(self, doc: dict[str, object]) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 from imagetool.format import ANNOTATION_ROLE, BLOB_MEDIA_TYPE, INDEX_MEDIA_TYPE
 from imagetool.stores.base import StoreOptions
 from snapshotter.credentials import Credentials
+from snapshotter.crikeychain import Keychain
 from snapshotter.snapshots import (
     RemoteInfo,
     SnapshotExistsError,
@@ -199,10 +200,13 @@ class MountBackend:
         config: Any,  # snapshotter.config.MountConfig
         insecure_registries: tuple[str, ...] = (),
         credentials: Credentials | None = None,
+        keychain: Keychain | None = None,
     ) -> None:
         self.config = config
         self.insecure = set(insecure_registries)
         self.credentials = credentials
+        # Credentials from CRI pulls (``snapshotter.crikeychain``): they come first.
+        self.keychain = keychain if keychain is not None else Keychain()
         self._locks: dict[Path, threading.RLock] = {}
         self._locks_lock = threading.Lock()
 
@@ -212,14 +216,18 @@ class MountBackend:
             return self._locks.setdefault(Path(os.path.abspath(mountpoint)), threading.RLock())
 
     def config_for(self, ref: str) -> Any:
-        """The mount config for ``ref``: plain HTTP for insecure hosts, merged credentials."""
-        host = ref.removeprefix("docker://").split("/", 1)[0]
+        """The mount config for ``ref``: plain HTTP for insecure hosts, the credentials of
+        a CRI pull of its repository if there was one, else the merged docker config."""
+        host, _, path = ref.removeprefix("docker://").partition("/")
         store: StoreOptions = self.config.store
         changes: dict[str, Any] = {}
         if host in self.insecure:
             changes["plain_http"] = True
         if self.credentials is not None:
             changes["docker_config"] = self.credentials.refresh()
+        secret = self.keychain.lookup(host, path.split("@", 1)[0].split(":", 1)[0])
+        if secret is not None:
+            changes["credentials"] = secret
         if changes:
             return dataclasses.replace(self.config, store=dataclasses.replace(store, **changes))
         return self.config
@@ -266,6 +274,11 @@ class RemoteLayers:
         )
         mounter = MountBackend(config.mount, config.insecure_registries, credentials)
         return cls(LayerResolver(_registry_fetcher(mounter)), mounter)
+
+    @property
+    def keychain(self) -> Keychain:
+        """Where the CRI image service proxy records pull credentials for the mounts."""
+        return self.mounter.keychain
 
     def attach(self, store: SnapshotStore) -> None:
         self.store = store

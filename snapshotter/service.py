@@ -8,6 +8,10 @@ lazyblock layer, on ``RemoteLayers``), and errors become status codes:
     SnapshotStateError      FAILED_PRECONDITION SnapshotArgumentError INVALID_ARGUMENT
     any other error         UNKNOWN (its message, never credentials)
 
+With ``[snapshotter] image_service_address`` set it also serves the CRI image service on that
+socket, forwarded to containerd, recording the kubelet's pull credentials for the lazy mounts
+(``snapshotter.crikeychain``).
+
 Restarts: the snapshot metadata is in SQLite under the root, and each lazily mounted image is
 served by its own mount server process (``snapshotter.mount``), not by this daemon. So
 stopping the daemon (SIGTERM, upgrade, crash) leaves running containers' file systems
@@ -41,6 +45,7 @@ from snapshotter.config import (
     config_from_document,
     read_config_file,
 )
+from snapshotter.crikeychain import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.proto import load as _load_stubs
 from snapshotter.snapshots import (
     Info,
@@ -83,6 +88,12 @@ class ServiceConfig:
     remount_interval: float = DEFAULT_REMOUNT_INTERVAL
     """Seconds between checks for remote snapshots whose mount is gone (a killed mount
     server), which are then remounted; 0: only at start and when a Prepare needs one."""
+    image_service_address: Path | None = None
+    """Unix socket for the CRI image service proxy (the kubelet's
+    ``--image-service-endpoint``) that records pull credentials for lazy mounts
+    (``snapshotter.crikeychain``); None: not served."""
+    containerd_address: Path = DEFAULT_CONTAINERD_ADDRESS
+    """containerd's gRPC socket, where the image service proxy forwards CRI calls."""
     mount: MountConfig = field(default_factory=MountConfig)
 
 
@@ -94,7 +105,10 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
     config = config_from_document(doc, where=path or DEFAULT_CONFIG_PATH)  # checks sections
     own = dict(doc.get("snapshotter", {}))
     own.update({k: v for k, v in overrides.items() if v not in (None, ())})
-    unknown = set(own) - {"address", "root", "insecure_registries", "workers", "remount_interval"}
+    unknown = set(own) - {
+        "address", "root", "insecure_registries", "workers", "remount_interval",
+        "image_service_address", "containerd_address",
+    }  # fmt: skip
     if unknown:
         raise ConfigError(f"unknown [snapshotter] keys: {', '.join(sorted(unknown))}")
     insecure = own.get("insecure_registries", ())
@@ -106,6 +120,10 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
         insecure_registries=tuple(str(h) for h in insecure),
         workers=int(own.get("workers", DEFAULT_WORKERS)),
         remount_interval=float(own.get("remount_interval", DEFAULT_REMOUNT_INTERVAL)),
+        image_service_address=Path(own["image_service_address"])
+        if own.get("image_service_address")
+        else None,
+        containerd_address=Path(own.get("containerd_address") or DEFAULT_CONTAINERD_ADDRESS),
         mount=config.mount,
     )
 
@@ -290,6 +308,18 @@ def serve(config: ServiceConfig) -> None:
     store.cleanup()
     server = start_server(config.address, store, remote, config.workers)
     log.info("serving containerd snapshots on %s (root %s)", config.address, config.root)
+    image_service = None
+    if config.image_service_address is not None:
+        from snapshotter.crikeychain import start_image_service
+
+        image_service = start_image_service(
+            config.image_service_address, remote.keychain, config.containerd_address,
+            config.workers,
+        )  # fmt: skip
+        log.info(
+            "serving the CRI image service on %s (forwarded to %s)",
+            config.image_service_address, config.containerd_address,
+        )  # fmt: skip
     sd_notify("READY=1")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -302,6 +332,9 @@ def serve(config: ServiceConfig) -> None:
     stop.wait()
     sd_notify("STOPPING=1")
     log.info("stopping; lazily mounted images stay mounted for running containers")
+    if image_service is not None:
+        image_service[0].stop(grace=5).wait()
+        image_service[1].close()
     server.stop(grace=5).wait()
     store.close()
 

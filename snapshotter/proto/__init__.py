@@ -1,4 +1,5 @@
-"""containerd's snapshots API: the ``.proto`` files and their generated stubs.
+"""containerd's snapshots API and the CRI image messages the keychain reads: the ``.proto``
+files and their generated stubs.
 
 ``load()`` returns the generated modules; when they are missing or older than the ``.proto``
 files (a fresh checkout that skipped ``python -m snapshotter.proto.build``) it generates
@@ -23,3 +24,9 @@ def load() -> tuple[ModuleType, ModuleType, ModuleType]:
         importlib.import_module("snapshotter.proto.snapshots_pb2"),
         importlib.import_module("snapshotter.proto.snapshots_pb2_grpc"),
     )
+
+
+def load_cri() -> ModuleType:
+    """cri_pb2: the CRI image service messages (``runtime.v1``) the keychain reads."""
+    load()
+    return importlib.import_module("snapshotter.proto.cri_pb2")

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 PROTO_DIR = Path(__file__).resolve().parent
 # The directory that holds the ``snapshotter`` package: the proto import root.
 SOURCE_ROOT = PROTO_DIR.parent.parent
-PROTOS = ("mount.proto", "snapshots.proto")
+PROTOS = ("mount.proto", "snapshots.proto", "cri.proto")
 
 
 class StubBuildError(RuntimeError):

@@ -4,10 +4,9 @@ per containerd flavour (Debian's 1.6 and 2.x from ``scripts/fetch-containerd2``)
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from harness import FLAVOURS, Containerd, Flavour, SnapshotterDaemon, find_flavour, unmount_under
+from harness import FLAVOURS, Containerd, Flavour, find_flavour, running_node
 from support import Registry, require, require_fuse, require_tool
 
 
@@ -31,31 +30,5 @@ def node(
     """containerd + the lazyblock daemon, sharing the session's registry (module-scoped:
     starting containerd takes a few seconds)."""
     root = tmp_path_factory.mktemp(f"node-{flavour.name}")
-    daemon = SnapshotterDaemon(root / "lazyblock", registry.host)
-    containerd: Containerd | None = None
-    try:
-        daemon.start()
-        (root / "containerd").mkdir()
-        containerd = Containerd(root / "containerd", daemon, registry.host, flavour)
+    with running_node(root, registry.host, flavour) as containerd:
         yield containerd
-    finally:
-        try:
-            if containerd is not None:
-                containerd.stop()
-        finally:
-            daemon.stop()
-            _unmount_lazyblock(daemon)
-            unmount_under(root)
-
-
-def _unmount_lazyblock(daemon: SnapshotterDaemon) -> None:
-    """Stop mount servers the daemon left (a failed test may leave some)."""
-    from snapshotter import mount as mount_mod
-    from snapshotter.service import load_service_config
-
-    config = load_service_config(daemon.config, {}).mount
-    for info in mount_mod.list_mounts(config):
-        try:
-            mount_mod.unmount(Path(info.mountpoint), config)
-        except Exception:  # noqa: BLE001 - best effort in teardown
-            pass

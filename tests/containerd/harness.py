@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from ocibuild import build_with_umoci
+from support import Registry
 
 # Shared with the cold-start benchmark: the hand-encoded CRI PullImage request, and the
 # cleanup of shims left by our own containerd.
@@ -81,16 +87,25 @@ def wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30.
 class SnapshotterDaemon:
     """``python -m snapshotter.service`` (what ``snapshotter serve`` runs)."""
 
-    def __init__(self, root: Path, insecure: str) -> None:
+    def __init__(
+        self,
+        root: Path,
+        insecure: str,
+        settings: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``settings``: more ``[snapshotter]`` keys (strings); ``env``: environment changes."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.address = root / "snapshotter.sock"
         self.config = root / "config.toml"
+        extra = "".join(f'{k} = "{v}"\n' for k, v in (settings or {}).items())
         self.config.write_text(
-            f'[snapshotter]\nroot = "{root / "data"}"\n'
+            f'[snapshotter]\nroot = "{root / "data"}"\n{extra}'
             f'[cache]\ndir = "{root / "cache"}"\n'
             f'[state]\ndir = "{root / "state"}"\n'
         )
+        self.env = {**os.environ, **(env or {})}
         self.insecure = insecure
         self.log = root / "daemon.log"
         self.proc: subprocess.Popen | None = None
@@ -101,7 +116,7 @@ class SnapshotterDaemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "snapshotter.service", "--config", str(self.config),
              "--address", str(self.address), "--insecure-registry", self.insecure, "-v"],
-            stdout=logf, stderr=logf, start_new_session=True,
+            stdout=logf, stderr=logf, start_new_session=True, env=self.env,
         )  # fmt: skip
         logf.close()
         wait_for(self.address, self.proc, "snapshotter daemon")
@@ -172,6 +187,16 @@ class Containerd:
             call = channel.unary_unary("/runtime.v1.ImageService/PullImage")
             reply = call(pull_request(image), timeout=timeout)
         return string_field(reply, 1)
+
+    def cri_call(
+        self, method: str, request: bytes, address: Path | None = None, timeout: float = 120
+    ) -> bytes:
+        """One raw ``runtime.v1.ImageService`` call on ``address`` (default: containerd's
+        own socket); raises ``grpc.RpcError`` with containerd's status."""
+        with grpc.insecure_channel(f"unix://{address or self.address}") as channel:
+            return channel.unary_unary(f"/runtime.v1.ImageService/{method}")(
+                request, timeout=timeout
+            )
 
     def cleanup_namespace(self, namespace: str) -> None:
         """Kill every task and remove every container of ``namespace``."""
@@ -253,6 +278,140 @@ def config_v3(root: Path, address: Path, proxy: Path, registry_host: str) -> str
 """
     version, rest = deploy.split("version = 3\n", 1)
     return f"{version}version = 3\n{top}{rest}{private}"
+
+
+# --- test images and the registry's view -----------------------------------------------------
+
+BIG = 48 << 20  # never read by the container: the bytes a lazy pull must not fetch
+
+
+def busybox_tree(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    shutil.copy("/bin/busybox", root / "bin/busybox")
+    for applet in ("sh", "cat", "echo", "ls", "sleep", "id", "pwd", "env", "head", "wc"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc").mkdir()
+    (root / "etc/passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/app:/bin/sh\n"
+    )
+    (root / "etc/group").write_text("root:x:0:\napp:x:1000:\n")
+    (root / "tmp").mkdir(mode=0o1777)
+    (root / "tmp").chmod(0o1777)
+    return root
+
+
+def sample_image(tmp: Path, big: int = 0) -> Path:
+    """A 2-layer image: busybox, then an app (with ``big`` bytes of data never read)."""
+    base = busybox_tree(tmp / "t1")
+    app = tmp / "t2"
+    shutil.copytree(base, app, symlinks=True)
+    (app / "app").mkdir()
+    (app / "app/msg").write_text("hello from lazyblock\n")
+    if big:
+        (app / "app/data.bin").write_bytes(os.urandom(big))
+    layout = tmp / "oci"
+    build_with_umoci(layout, "v1", [base, app], cmd=["/bin/cat", "/app/msg"], workdir="/app",
+                     env=["GREETING=hi"])  # fmt: skip
+    return layout
+
+
+def registry_log_end(registry: Registry) -> int:
+    """Where the registry's access log ends now (to count what a test reads after it)."""
+    return registry.log.stat().st_size
+
+
+def registry_blob_bytes(registry: Registry, digest: str, since: int = 0) -> int:
+    """Bytes the registry sent for blob ``digest`` (from its access log, after ``since``)."""
+    total = 0
+    with open(registry.log, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    for line in text.splitlines():
+        m = re.search(r'"GET [^"]*/blobs/' + re.escape(digest) + r' HTTP/[0-9.]+" \d+ (\d+)', line)
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> list[str]:
+    """Snapshots left in ``namespace`` once containerd's garbage collection settles."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls", namespace=namespace)
+        left = out.stdout.splitlines()[1:]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def mount_config(node: Containerd):  # noqa: ANN201
+    """The MountConfig of the node's snapshotter daemon."""
+    from snapshotter.service import load_service_config
+
+    return load_service_config(node.snapshotter.config, {}).mount
+
+
+def kill_mount_servers(node: Containerd) -> list[Path]:
+    """SIGKILL every live mount server of the daemon; returns their mount points."""
+    from snapshotter import mount as mount_mod
+
+    config = mount_config(node)
+    live = [m for m in mount_mod.list_mounts(config) if m.alive]
+    for m in live:
+        os.kill(m.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(m.alive for m in mount_mod.list_mounts(config)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [m.mountpoint for m in live]
+
+
+def alive_at(node: Containerd, mountpoints: list[Path]) -> bool:
+    """Whether a live mount server serves each of ``mountpoints``."""
+    from snapshotter import mount as mount_mod
+
+    alive = {m.mountpoint for m in mount_mod.list_mounts(mount_config(node)) if m.alive}
+    return set(mountpoints) <= alive
+
+
+@contextmanager
+def running_node(
+    root: Path,
+    registry_host: str,
+    flavour: Flavour,
+    settings: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Containerd]:
+    """The lazyblock daemon (``settings``/``env``: see ``SnapshotterDaemon``) and a
+    containerd of ``flavour`` using it, under ``root``; everything stopped and unmounted
+    on the way out."""
+    daemon = SnapshotterDaemon(root / "lazyblock", registry_host, settings, env)
+    containerd: Containerd | None = None
+    try:
+        daemon.start()
+        (root / "containerd").mkdir()
+        containerd = Containerd(root / "containerd", daemon, registry_host, flavour)
+        yield containerd
+    finally:
+        try:
+            if containerd is not None:
+                containerd.stop()
+        finally:
+            daemon.stop()
+            _unmount_lazyblock(daemon)
+            unmount_under(root)
+
+
+def _unmount_lazyblock(daemon: SnapshotterDaemon) -> None:
+    """Stop mount servers the daemon left (a failed test may leave some)."""
+    from snapshotter import mount as mount_mod
+    from snapshotter.service import load_service_config
+
+    config = load_service_config(daemon.config, {}).mount
+    for info in mount_mod.list_mounts(config):
+        try:
+            mount_mod.unmount(Path(info.mountpoint), config)
+        except Exception:  # noqa: BLE001 - best effort in teardown
+            pass
 
 
 def unmount_under(root: Path) -> None:

@@ -8,51 +8,29 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import shutil
 import time
 from pathlib import Path
 
 import httpx
 import itool
 import pytest
-from harness import CRI_NAMESPACE, NAMESPACE, Containerd
-from ocibuild import build_with_umoci, push_to_registry
+from harness import (
+    BIG,
+    CRI_NAMESPACE,
+    NAMESPACE,
+    Containerd,
+    alive_at,
+    kill_mount_servers,
+    mount_config,
+    registry_blob_bytes,
+    registry_log_end,
+    sample_image,
+    wait_no_snapshots,
+)
+from ocibuild import push_to_registry
 from support import Registry
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
-
-
-def busybox_tree(root: Path) -> Path:
-    (root / "bin").mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "bin/busybox")
-    for applet in ("sh", "cat", "echo", "ls", "sleep", "id", "pwd", "env", "head", "wc"):
-        (root / "bin" / applet).symlink_to("busybox")
-    (root / "etc").mkdir()
-    (root / "etc/passwd").write_text(
-        "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/app:/bin/sh\n"
-    )
-    (root / "etc/group").write_text("root:x:0:\napp:x:1000:\n")
-    (root / "tmp").mkdir(mode=0o1777)
-    (root / "tmp").chmod(0o1777)
-    return root
-
-
-def sample_image(tmp: Path, big: int = 0) -> Path:
-    """A 2-layer image: busybox, then an app (with ``big`` bytes of data never read)."""
-    base = busybox_tree(tmp / "t1")
-    app = tmp / "t2"
-    shutil.copytree(base, app, symlinks=True)
-    (app / "app").mkdir()
-    (app / "app/msg").write_text("hello from lazyblock\n")
-    if big:
-        import os
-
-        (app / "app/data.bin").write_bytes(os.urandom(big))
-    layout = tmp / "oci"
-    build_with_umoci(layout, "v1", [base, app], cmd=["/bin/cat", "/app/msg"], workdir="/app",
-                     env=["GREETING=hi"])  # fmt: skip
-    return layout
 
 
 def test_ordinary_image_pull_and_run(node: Containerd, registry: Registry, tmp_path: Path) -> None:
@@ -89,38 +67,6 @@ def remove_images(node: Containerd, namespace: str) -> None:
     names = node.ctr("images", "ls", "-q", namespace=namespace).stdout.split()
     if names:
         node.ctr("images", "rm", "--sync", *names, namespace=namespace)
-
-
-def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> list[str]:
-    """Snapshots left in ``namespace`` once containerd's garbage collection settles."""
-    deadline = time.monotonic() + timeout
-    while True:
-        out = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls", namespace=namespace)
-        left = out.stdout.splitlines()[1:]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
-BIG = 48 << 20  # never read by the container: the bytes a lazy pull must not fetch
-
-
-def registry_log_end(registry: Registry) -> int:
-    """Where the registry's access log ends now (to count what a test reads after it)."""
-    return registry.log.stat().st_size
-
-
-def registry_blob_bytes(registry: Registry, digest: str, since: int = 0) -> int:
-    """Bytes the registry sent for blob ``digest`` (from its access log, after ``since``)."""
-    total = 0
-    with open(registry.log, "rb") as f:
-        f.seek(since)
-        text = f.read().decode(errors="replace")
-    for line in text.splitlines():
-        m = re.search(r'"GET [^"]*/blobs/' + re.escape(digest) + r' HTTP/[0-9.]+" \d+ (\d+)', line)
-        if m:
-            total += int(m.group(1))
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +133,6 @@ def test_ctr_pull_of_a_converted_image(node: Containerd, registry: Registry, laz
         assert wait_no_snapshots(node, NAMESPACE) == []
 
 
-def _mount_config(node: Containerd):  # noqa: ANN202
-    from snapshotter.service import load_service_config
-
-    return load_service_config(node.snapshotter.config, {}).mount
-
-
 def _wait_reconnected(node: Containerd, timeout: float = 20) -> None:
     """containerd redials a restarted proxy snapshotter with backoff; wait for it."""
     deadline = time.monotonic() + timeout
@@ -233,7 +173,7 @@ def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
 
     ref, _ = lazy_image
     node.cri_pull(ref)
-    config = _mount_config(node)
+    config = mount_config(node)
     assert [m for m in mount_mod.list_mounts(config) if m.alive]
     node.cleanup_namespace(CRI_NAMESPACE)
     remove_images(node, CRI_NAMESPACE)
@@ -245,30 +185,6 @@ def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
     assert list((node.snapshotter.root / "data" / "mounts").iterdir()) == []
 
 
-def _kill_mount_servers(node: Containerd) -> list[Path]:
-    """SIGKILL every live mount server of the daemon; returns their mount points."""
-    import os
-    import signal
-
-    from snapshotter import mount as mount_mod
-
-    config = _mount_config(node)
-    live = [m for m in mount_mod.list_mounts(config) if m.alive]
-    for m in live:
-        os.kill(m.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(m.alive for m in mount_mod.list_mounts(config)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [m.mountpoint for m in live]
-
-
-def _alive_at(node: Containerd, mountpoints: list[Path]) -> bool:
-    from snapshotter import mount as mount_mod
-
-    alive = {m.mountpoint for m in mount_mod.list_mounts(_mount_config(node)) if m.alive}
-    return set(mountpoints) <= alive
-
-
 def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> None:
     from snapshotter import mount as mount_mod
 
@@ -278,7 +194,7 @@ def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> No
     node.ctr("run", "-d", "--snapshotter", "lazyblock", ref, "victim", "/bin/sleep", "600",
              namespace=CRI_NAMESPACE)  # fmt: skip
     try:
-        mountpoints = _kill_mount_servers(node)
+        mountpoints = kill_mount_servers(node)
         assert mountpoints
         # A container running on a dead mount gets errors (EIO/ENOTCONN) for what is not
         # in the page cache: it must be restarted (deploy/README.md).
@@ -288,13 +204,13 @@ def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> No
         node.cleanup_namespace(CRI_NAMESPACE)
 
         # As after a reboot: nothing mounted, the dead servers' leftovers gone.
-        config = _mount_config(node)
+        config = mount_config(node)
         for mountpoint in mountpoints:
             mount_mod.unmount(mountpoint, config)
         assert not [m for m in mount_mod.list_mounts(config)]
         node.snapshotter.restart()
         _wait_reconnected(node)
-        assert _alive_at(node, mountpoints)  # remounted when the daemon started
+        assert alive_at(node, mountpoints)  # remounted when the daemon started
         assert node.ctr(*run, "after-restart", namespace=CRI_NAMESPACE).stdout == (
             "hello from lazyblock\n"
         )
@@ -304,12 +220,12 @@ def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> No
 
         # Killed again, with the daemon up: the Prepare of the next container remounts it
         # (before the periodic check comes round).
-        mountpoints = _kill_mount_servers(node)
-        assert mountpoints and not _alive_at(node, mountpoints)
+        mountpoints = kill_mount_servers(node)
+        assert mountpoints and not alive_at(node, mountpoints)
         assert node.ctr(*run, "after-kill", namespace=CRI_NAMESPACE).stdout == (
             "hello from lazyblock\n"
         )
-        assert _alive_at(node, mountpoints)
+        assert alive_at(node, mountpoints)
         assert "mount gone, remounting" in node.snapshotter.log_text()
     finally:
         node.cleanup_namespace(CRI_NAMESPACE)

@@ -1,0 +1,214 @@
+"""CRI pulls from a registry that wants credentials, the way a kubelet does them: through
+the daemon's CRI image service proxy (``[snapshotter] image_service_address``, the kubelet's
+``--image-service-endpoint``), with the pod's pull secret in PullImage's AuthConfig.
+
+The node has no docker config.json (the daemon's ``DOCKER_CONFIG`` is an empty directory), so
+the lazy mounts can only get in with what the proxy recorded from the pull. The registry is
+Debian's docker-registry with token auth (tests/support.py's TokenServer, tokens that die
+after a few seconds), run on each containerd flavour.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import itool
+import pytest
+from harness import (
+    BIG,
+    CRI_NAMESPACE,
+    Containerd,
+    Flavour,
+    alive_at,
+    kill_mount_servers,
+    registry_blob_bytes,
+    registry_log_end,
+    running_node,
+    sample_image,
+    wait_for,
+    wait_no_snapshots,
+)
+from support import AuthRegistry, TokenServer, require_tool
+
+from snapshotter.proto import load_cri
+
+pytestmark = [pytest.mark.root, pytest.mark.integration]
+
+USER = "kubelet-puller"
+PASSWORD = "pw-" + uuid.uuid4().hex  # unique: any trace of it in a log is a leak
+WRONG = "wrong-" + uuid.uuid4().hex
+LIFETIME = 3  # seconds a registry token lives
+REPO = "secure/app"
+
+cri = load_cri()
+
+
+@pytest.fixture(scope="module")
+def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthRegistry]:
+    require_tool("docker-registry")
+    root = tmp_path_factory.mktemp("authreg")
+    tokens = TokenServer(root, {USER: PASSWORD}, expires_in=LIFETIME)
+    (root / "registry").mkdir()
+    reg = AuthRegistry(root / "registry", {USER: PASSWORD}, tokens)
+    try:
+        yield reg
+    finally:
+        reg.stop()
+        tokens.stop()
+
+
+@pytest.fixture(scope="module")
+def secure_image(auth_registry: AuthRegistry, tmp_path_factory: pytest.TempPathFactory):
+    """The sample image (48 MiB never read) converted into the registry; imagetool gets its
+    credentials from a docker config of its own (not the node's)."""
+    tmp = tmp_path_factory.mktemp("secureimg")
+    layout = sample_image(tmp, big=BIG)
+    ref = f"{auth_registry.host}/{REPO}:v1"
+    docker = tmp / "docker"
+    docker.mkdir()
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    (docker / "config.json").write_text(json.dumps({"auths": {auth_registry.host: {"auth": auth}}}))
+    saved = os.environ.get("DOCKER_CONFIG")
+    os.environ["DOCKER_CONFIG"] = str(docker)
+    try:
+        itool.imagetool("--plain-http", "convert", "-q", "--sector-size", "1MiB",
+                        f"oci:{layout}:v1", f"docker://{ref}")  # fmt: skip
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_CONFIG")
+        else:
+            os.environ["DOCKER_CONFIG"] = saved
+    token = httpx.get(
+        auth_registry.tokens.realm,
+        params={"service": auth_registry.tokens.service, "scope": f"repository:{REPO}:pull"},
+        auth=(USER, PASSWORD),
+    ).json()["token"]
+    manifest = httpx.get(
+        f"http://{auth_registry.host}/v2/{REPO}/manifests/v1",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json",
+                 "Authorization": f"Bearer {token}"},
+    ).json()  # fmt: skip
+    return ref, manifest
+
+
+@pytest.fixture(scope="module")
+def auth_node(
+    tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
+) -> Iterator[Containerd]:
+    """A node whose daemon serves the CRI image service proxy, with no docker config."""
+    root = tmp_path_factory.mktemp(f"authnode-{flavour.name}")
+    empty = root / "no-docker-config"
+    empty.mkdir()
+    settings = {
+        "image_service_address": str(root / "lazyblock" / "image.sock"),
+        "containerd_address": str(root / "containerd" / "containerd.sock"),
+    }
+    with running_node(
+        root, auth_registry.host, flavour, settings, env={"DOCKER_CONFIG": str(empty)}
+    ) as node:
+        assert node.snapshotter.proc is not None
+        wait_for(Path(settings["image_service_address"]), node.snapshotter.proc, "image service")
+        yield node
+
+
+def image_socket(node: Containerd) -> Path:
+    return node.snapshotter.root / "image.sock"
+
+
+def pull_request(image: str, username: str = "", password: str = "", auth: str = "") -> bytes:
+    request = cri.PullImageRequest(image=cri.ImageSpec(image=image))
+    if username or auth:
+        request.auth.CopyFrom(cri.AuthConfig(username=username, password=password, auth=auth))
+    return request.SerializeToString()
+
+
+def proxy_pull(node: Containerd, image: str, **auth: str) -> str:
+    reply = node.cri_call("PullImage", pull_request(image, **auth), address=image_socket(node))
+    return cri.PullImageResponse.FromString(reply).image_ref
+
+
+def assert_no_secret(node: Containerd) -> None:
+    logs = node.snapshotter.log_text() + node.log.read_text(errors="replace")
+    for server_log in (node.snapshotter.root / "state").rglob("server.log"):
+        logs += server_log.read_text(errors="replace")
+    encoded = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    for secret in (PASSWORD, WRONG, encoded):
+        assert secret not in logs, "a secret appears in a log"
+
+
+def test_wrong_or_missing_credentials_fail_the_pull(auth_node: Containerd, secure_image) -> None:
+    ref, _ = secure_image
+    with pytest.raises(grpc.RpcError) as missing:
+        proxy_pull(auth_node, ref)
+    with pytest.raises(grpc.RpcError) as wrong:
+        proxy_pull(auth_node, ref, username=USER, password=WRONG)
+    for error in (missing.value, wrong.value):
+        details = error.details().lower()
+        assert "401" in details or "unauthorized" in details, details
+        assert ref in error.details()
+    with pytest.raises(grpc.RpcError) as malformed:
+        proxy_pull(auth_node, ref, auth="not base64!")
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "AuthConfig.auth" in malformed.value.details()
+    # Right credentials, but straight to containerd (no proxy): containerd gets in, the
+    # lazy mount cannot (the problem the proxy solves), and the pull fails saying so.
+    with pytest.raises(grpc.RpcError) as bypass:
+        auth_node.cri_call("PullImage", pull_request(ref, username=USER, password=PASSWORD))
+    assert "refused anonymous access" in bypass.value.details()
+    # (what that pull left is garbage-collected before the next test pulls again)
+    assert wait_no_snapshots(auth_node, CRI_NAMESPACE) == []
+    images = auth_node.ctr("images", "ls", "-q", namespace=CRI_NAMESPACE).stdout
+    assert ref not in images
+    assert_no_secret(auth_node)
+
+
+def test_pull_with_credentials_runs_lazily(
+    auth_node: Containerd, auth_registry: AuthRegistry, secure_image
+) -> None:
+    ref, manifest = secure_image
+    blob = manifest["layers"][0]
+    start = registry_log_end(auth_registry)
+    image_ref = proxy_pull(auth_node, ref, username=USER, password=PASSWORD)
+    assert image_ref.startswith("sha256:")
+    # Everything else the kubelet calls goes through unchanged.
+    status = auth_node.cri_call("ImageStatus", pull_request(ref), address=image_socket(auth_node))
+    assert image_ref.encode() in status
+    assert auth_node.cri_call("ListImages", b"", address=image_socket(auth_node)) == (
+        auth_node.cri_call("ListImages", b"")
+    )
+    run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
+    out = auth_node.ctr(*run, "sec1", namespace=CRI_NAMESPACE).stdout
+    assert out == "hello from lazyblock\n"
+    read = registry_blob_bytes(auth_registry, blob["digest"], start)
+    assert 0 < read < blob["size"] // 4, (read, blob["size"])
+
+    # The mount server renews its token with the recorded credentials: after the first
+    # token died it still reads data it never read.
+    time.sleep(LIFETIME + 1)
+    out = auth_node.ctr(*run, "sec2", "/bin/sh", "-c", "head -c 3000000 /app/data.bin | wc -c",
+                        namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out.strip() == "3000000"
+
+    # A wrong credential for the same repository fails and leaves the good one in place:
+    # a mount server killed afterwards is remounted with it by the next Prepare.
+    with pytest.raises(grpc.RpcError):
+        proxy_pull(auth_node, ref, username=USER, password=WRONG)
+    mountpoints = kill_mount_servers(auth_node)
+    assert mountpoints and not alive_at(auth_node, mountpoints)
+    out = auth_node.ctr(*run, "sec3", "/bin/sh", "-c", "wc -c < /app/data.bin",
+                        namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out.strip() == str(BIG)
+    assert alive_at(auth_node, mountpoints)
+    assert "credentials recorded for" in auth_node.snapshotter.log_text()
+    # Nothing of them went to disk: the daemon's merged docker config stays empty.
+    merged = auth_node.snapshotter.root / "data" / "auth" / "config.json"
+    assert json.loads(merged.read_text()) == {"auths": {}}
+    assert_no_secret(auth_node)
