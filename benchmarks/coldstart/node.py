@@ -41,6 +41,13 @@ REPO = HERE.parent.parent
 NAMESPACE = "lazybench"  # containerd namespace of the ctr-only path
 CRI_NAMESPACE = "k8s.io"  # where CRI keeps its images (and where kubelet's containers run)
 PROXY_NAME = "lazyblock"  # [proxy_plugins.<name>], the snapshotter name ctr and CRI use
+# ``ctr run`` options for a server the benchmark talks to (the vllm image): the host's network
+# namespace, and a /dev/shm as large as a pod's memory-backed one (vLLM's engine puts its
+# message queue there: 160 MiB, more than the default 64 MiB).
+SERVER_ARGS = (
+    "--net-host",
+    "--mount", "type=tmpfs,src=shm,dst=/dev/shm,options=nosuid:nodev:noexec:size=2g",
+)  # fmt: skip
 
 
 class BenchError(RuntimeError):
@@ -259,18 +266,42 @@ class Containerd:
         self._seq += 1
         return f"bench-{os.getpid()}-{self._seq}"
 
-    def run_image_cmd(self, ref: str) -> list[str]:
-        return self._ctr("run", "--rm", "--snapshotter", self.snapshotter, ref,
-                         self.container_id())  # fmt: skip
+    def run_image_cmd(self, ref: str, cid: str | None = None, server: bool = False) -> list[str]:
+        """``ctr run --rm`` of ``ref`` as container ``cid`` (a new id if None); ``server``: see
+        ``SERVER_ARGS``."""
+        extra = SERVER_ARGS if server else ()
+        return self._ctr("run", "--rm", *extra, "--snapshotter", self.snapshotter, ref,
+                         cid or self.container_id())  # fmt: skip
 
-    def run_rootfs_cmd(self, rootfs: Path, config: dict[str, Any]) -> list[str]:
-        args = ["run", "--rm", "--rootfs"]
+    def run_rootfs_cmd(
+        self, rootfs: Path, config: dict[str, Any], cid: str | None = None, server: bool = False
+    ) -> list[str]:
+        args = ["run", "--rm", *(SERVER_ARGS if server else ()), "--rootfs"]
         for e in config.get("Env") or ():
             args += ["--env", e]
         if config.get("WorkingDir"):
             args += ["--cwd", config["WorkingDir"]]
         argv = list(config.get("Entrypoint") or []) + list(config.get("Cmd") or [])
-        return self._ctr(*args, str(rootfs), self.container_id(), *argv)
+        return self._ctr(*args, str(rootfs), cid or self.container_id(), *argv)
+
+    def task_pids(self, cid: str) -> list[int]:
+        """The processes of container ``cid``'s task (``ctr task ps``)."""
+        return parse_task_ps(self.ctr("task", "ps", cid, timeout=60))
+
+    def kill_task(self, cid: str) -> None:
+        """SIGKILL container ``cid``'s task (its ``ctr run --rm`` then removes it)."""
+        subprocess.run(self._ctr("task", "kill", "--signal", "SIGKILL", cid),
+                       capture_output=True, timeout=60)  # fmt: skip
+
+
+def parse_task_ps(text: str) -> list[int]:
+    """``ctr task ps`` output (a ``PID INFO`` header, then one process per line) -> pids."""
+    pids = []
+    for line in text.splitlines():
+        first = line.split(maxsplit=1)[0] if line.strip() else ""
+        if first.isdigit():
+            pids.append(int(first))
+    return pids
 
 
 # --- CRI ---------------------------------------------------------------------------------------

@@ -28,12 +28,16 @@ How the node pulls and runs (``--via``, ``node.py``):
                    pull`` passes no layer labels, see ``snapshotter/remote.py``).
 
 Ready = the workload printed its ``READY`` line (``image.py``: imported torch and loaded every
-weight shard). Measured per run: seconds from the first action (pull / mount / run) to
-READY, bytes from the registry (its access log: response bodies; and the host veth's
-rx_bytes: on the wire), and the bytes the workload read (its own ``/proc/self/io``).
+weight shard), or, for the ``vllm`` image (the runtime's vLLM server, CPU backend, in the
+host's network namespace), the first completion the benchmark asks for over HTTP from the
+host was answered. Measured per run: seconds from the first action (pull / mount / run) to
+ready, bytes from the registry (its access log: response bodies; and the host veth's
+rx_bytes: on the wire), and the bytes the workload read (its own ``/proc/self/io``; for
+the server, summed over the container's processes when the answer came).
 
     python benchmarks/coldstart/run.py                        # ml image, 1g-1ms, 3 runs
     python benchmarks/coldstart/run.py --preset 1g-1ms --preset 200m-20ms --size 6GiB
+    python benchmarks/coldstart/run.py --kind vllm --keep-other-images   # the vLLM server
     python benchmarks/coldstart/run.py --smoke                # CI: tiny image, no shaping
 
 Writes ``results/latest.json``, ``results/latest.md`` and ``results/latest.png``.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import http.client
 import importlib.util
 import json
 import logging
@@ -55,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -87,6 +93,7 @@ TARGET_PRESET = "1g-1ms"
 TARGET_SPEEDUP = 5.0  # lazy-profile at most 1/5 of full-pull
 TARGET_FLOOR_S = 2.0  # ... and within 2 s of local
 TARGET_AMPLIFICATION = 1.5  # registry bytes at most 1.5x the bytes the workload reads
+WORKLOAD_KEYS = ("processes", "completion")  # a server's, kept with its run
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,70 @@ def parse_ready(line: str) -> dict[str, str] | None:
         if eq:
             out[k] = v
     return out
+
+
+def parse_proc_io(text: str) -> dict[str, int]:
+    """``/proc/PID/io`` (``key: value`` lines) -> {key: int}."""
+    out = {}
+    for line in text.splitlines():
+        k, sep, v = line.partition(":")
+        if sep and v.strip().isdigit():
+            out[k.strip()] = int(v)
+    return out
+
+
+def io_of(pids: Sequence[int]) -> dict[str, int]:
+    """``read_bytes`` and ``rchar`` summed over ``pids`` (those still there). A process's
+    counters include its reaped children's, so the live processes of a container cover what
+    its exited ones read too."""
+    total = {"read_bytes": 0, "rchar": 0, "processes": 0}
+    for pid in pids:
+        try:
+            io = parse_proc_io(Path(f"/proc/{pid}/io").read_text())
+        except OSError:  # exited meanwhile
+            continue
+        total["read_bytes"] += io.get("read_bytes", 0)
+        total["rchar"] += io.get("rchar", 0)
+        total["processes"] += 1
+    return total
+
+
+def completion_text(body: bytes) -> str | None:
+    """The text of an OpenAI completions answer, None if ``body`` is not one."""
+    try:
+        doc = json.loads(body)
+        return str(doc["choices"][0]["text"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class CompletionProbe:
+    """One completion request to an OpenAI-compatible server (the readiness check of a
+    serving workload: answered, not merely healthy)."""
+
+    url: str  # base URL, e.g. http://127.0.0.1:18431
+    model: str = images.VLLM_MODEL_NAME
+    prompt: str = "Correct the grammar: She go to school every day.\nCorrected:"
+    max_tokens: int = 4
+    timeout_s: float = 60.0
+
+    def body(self) -> bytes:
+        return json.dumps({"model": self.model, "prompt": self.prompt,
+                           "max_tokens": self.max_tokens, "temperature": 0.0}).encode()  # fmt: skip
+
+    def ask(self) -> tuple[str, str | None]:
+        """("refused" | "error" | "answered", the completion text when answered)."""
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=self.body(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                text = completion_text(resp.read())
+                return ("answered", text) if text is not None else ("error", None)
+        except urllib.error.HTTPError:  # the front is up; the engine not yet (502)
+            return "error", None
+        except (OSError, http.client.HTTPException):
+            return "refused", None
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -231,12 +302,22 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(_image_section(e, len(entries) > 1) for e in entries)
 
 
+READY_SERVED = (
+    "Workload: the runtime's vLLM server (`runtime serve --device cpu`: front + vLLM's CPU "
+    "backend); ready: the first completion asked over HTTP from the host answered. Read by "
+    "workload: summed over the container's processes at that moment."
+)
+
+
 def _image_section(results: dict[str, Any], name_image: bool) -> str:
     img = results["image"]
+    served = img.get("kind") == "vllm"
     lines = [
         f"Image `{img['tag']}`: {_mb(img['compressed_bytes'])} compressed "
         f"({img['layers']} layers), {_mb(img['rootfs_bytes'])} unpacked, "
-        f"weights {_mb(img['weights_bytes'])}. {results['runs']} runs per scenario"
+        + f"{'model' if served else 'weights'} {_mb(img['weights_bytes'])}. "
+        + (READY_SERVED + " " if served else "")
+        + f"{results['runs']} runs per scenario"
         + (" (interleaved)" if results["runs"] > 1 else "")
         + ", "
         + (
@@ -360,10 +441,11 @@ def drop_caches() -> None:
 class Ready:
     """A workload that printed its READY line."""
 
-    at: float  # perf_counter when the line arrived
+    at: float  # perf_counter when the line (or the answer) arrived
     fields: dict[str, str]
     exit_code: int  # of the run command, which is waited for after READY (not timed)
     output: str
+    marks: dict[str, float] = field(default_factory=dict)  # name -> perf_counter on the way
 
 
 def run_until_ready(cmd: list[str], timeout: float) -> Ready:
@@ -416,6 +498,91 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
             proc.kill()
             proc.wait()
     return Ready(at, fields, proc.returncode, "".join(output))
+
+
+def run_until_served(
+    cmd: list[str],
+    timeout: float,
+    probe: CompletionProbe,
+    pids: Callable[[], list[int]],
+    stop: Callable[[], None],
+    interval: float = 0.2,
+    log_path: Path | None = None,
+) -> Ready:
+    """Start ``cmd`` (a server's ``ctr run --rm``), ask ``probe`` every ``interval`` until a
+    completion is answered; then read the container's I/O counters (``pids``), ``stop`` it
+    (SIGKILL: not timed) and wait for ``cmd`` to exit. Marks: ``front`` when the server
+    first answered anything (before its engine was up). The server's whole output goes to
+    ``log_path`` (named in errors); errors quote its tail."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    output: list[str] = []
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+
+    reading = threading.Thread(target=reader, daemon=True)
+    reading.start()
+    marks: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                reading.join(10)
+                raise BenchError(f"exited ({proc.returncode}) before answering: "
+                                 f"{_tail(output, log_path)}")  # fmt: skip
+            state, text = probe.ask()
+            at = time.perf_counter()
+            if state != "refused":
+                marks.setdefault("front", at)
+            if state == "answered":
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"no completion answered within {timeout:.0f}s: "
+                                 f"{_tail(output, log_path)}")  # fmt: skip
+            time.sleep(interval)
+        fields = {k: str(v) for k, v in io_of(pids()).items()}
+        fields["completion"] = json.dumps(text)
+    finally:
+        if proc.poll() is None:
+            stop()
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reading.join(10)
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text("".join(output))
+    # killed after the answer, as intended: SIGKILL (ctr run reports it as 137) is the end
+    killed = (0, -signal.SIGKILL, 128 + signal.SIGKILL)
+    code = 0 if proc.returncode in killed else proc.returncode
+    if code:
+        log.warning("%s exited with %d after the answer: %s", " ".join(cmd[:6]), code,
+                    "".join(output)[-1000:].strip())  # fmt: skip
+    return Ready(at, fields, code, "".join(output), marks)
+
+
+def _tail(output: list[str], log_path: Path | None, n: int = 2000) -> str:
+    """The end of a server's output without the front's retry warnings (it logs one per
+    request while its engine starts), and where the whole of it is."""
+    lines = [x for x in output if "engine unreachable" not in x]
+    where = f" (whole output: {log_path})" if log_path is not None else ""
+    return "".join(lines)[-n:] + where
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Does anything accept connections on ``host:port``?"""
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
 
 
 def _int(v: str | None) -> int | None:
@@ -540,6 +707,26 @@ class Bench:
         self.lazy: Lazyblock | None = None
         self.lazy_reason: str | None = None
         self.image_config = self._image_config()
+        # a server (the vllm image): ready = a completion answered over HTTP from the host
+        self.served = img.kind == "vllm"
+        self.probe = CompletionProbe(f"http://127.0.0.1:{images.VLLM_PORT}")
+
+    def _run_workload(self, ctrd: Containerd, cmd: list[str], cid: str) -> Ready:
+        """Run the container ``cmd`` starts (as ``cid`` on ``ctrd``) until it is ready."""
+        if not self.served:
+            return run_until_ready(cmd, self.cfg.run_timeout)
+        for port in (images.VLLM_PORT, images.VLLM_ENGINE_PORT):
+            if port_in_use("127.0.0.1", port):  # an answer from it would not be ours
+                raise BenchError(f"port {port} is in use on this host; the server needs it")
+        return run_until_served(
+            cmd, self.cfg.run_timeout, self.probe,
+            pids=lambda: ctrd.task_pids(cid), stop=lambda: ctrd.kill_task(cid),
+            log_path=self.cfg.work / "logs" / f"{cid}.log",
+        )  # fmt: skip
+
+    def _run_image(self, ctrd: Containerd, ref: str) -> Ready:
+        cid = ctrd.container_id()
+        return self._run_workload(ctrd, ctrd.run_image_cmd(ref, cid, server=self.served), cid)
 
     def _image_config(self) -> dict[str, Any]:
         layout = images.Layout(self.img.layout)
@@ -633,14 +820,15 @@ class Bench:
         if scenario == "full-pull":
             self.ctrd.pull(self.ref, self.cfg.run_timeout)
             phases["pull_s"] = time.perf_counter() - t0
-            ready = run_until_ready(self.ctrd.run_image_cmd(self.ref), self.cfg.run_timeout)
+            ready = self._run_image(self.ctrd, self.ref)
         elif scenario == "local":
-            ready = run_until_ready(self.ctrd.run_image_cmd(self.ref), self.cfg.run_timeout)
+            ready = self._run_image(self.ctrd, self.ref)
         else:
             tag = self.img.tag if scenario == "lazy" else f"{self.img.tag}-profile"
             ready, phases, extra = self._lazy_timed(tag, prefetch=scenario != "lazy", t0=t0)
         fields = ready.fields
         seconds = ready.at - t0
+        phases.update({f"{k}_s": at - t0 for k, at in ready.marks.items()})
         traffic = self.remote.traffic_since(mark)
         self.remote.check()
         read_bytes = _int(fields.get("read_bytes"))
@@ -656,7 +844,7 @@ class Bench:
             "read_bytes": read_bytes,
             "rchar": _int(fields.get("rchar")),
             "phases_s": {k: round(v, 3) for k, v in phases.items()},
-            "workload": {k: v for k, v in fields.items() if k.endswith("_s")},
+            "workload": {k: v for k, v in fields.items() if k.endswith("_s") or k in WORKLOAD_KEYS},
             **extra,
         }
         if ready.exit_code != 0:
@@ -686,7 +874,7 @@ class Bench:
         try:
             ctrd.pull(ref, self.cfg.run_timeout)
             phases = {"pull_s": time.perf_counter() - t0}
-            ready = run_until_ready(ctrd.run_image_cmd(ref), self.cfg.run_timeout)
+            ready = self._run_image(ctrd, ref)
         except BenchError as e:
             raise BenchError(f"{e}; snapshotter log: {self.node.daemon.log_tail(600)}") from None
         mounts = [m for m in self.node.daemon.mounts() if m.get("stats")]
@@ -707,8 +895,9 @@ class Bench:
         extra: dict[str, Any] = {"mount": mount_out.strip()}
         try:
             with overlay(mnt, self.lazy.dir / "container") as rootfs:
-                cmd = self.ctrd.run_rootfs_cmd(rootfs, self.image_config)
-                ready = run_until_ready(cmd, self.cfg.run_timeout)
+                cid = self.ctrd.container_id()
+                cmd = self.ctrd.run_rootfs_cmd(rootfs, self.image_config, cid, self.served)
+                ready = self._run_workload(self.ctrd, cmd, cid)
             stats = self.lazy.stats(mnt)
             if record_profile is not None:
                 self.lazy.profile(mnt, record_profile)
@@ -871,6 +1060,23 @@ def explain(scenarios: dict[str, Any], via: str = "cri") -> list[str]:
                 f"{scen}: {len(odd)} run(s) exited with {sorted(set(odd))} after READY (the "
                 "container's removal failed; see containerd's log); their time to ready counts."
             )
+    served = []
+    for scen, s in scenarios.items():
+        fronts = [r["phases_s"]["front_s"] for r in s.get("runs", []) if "front_s" in r["phases_s"]]
+        if s.get("status") == "ok" and fronts:
+            pulls = [r["phases_s"]["pull_s"] for r in s["runs"] if "pull_s" in r["phases_s"]]
+            pull = f"{statistics.median(pulls):.1f}" if pulls else "-"
+            served.append(
+                f"{scen} {pull} / {statistics.median(fronts):.1f} / "
+                f"{s['time_to_ready_s']['median']:.1f}"
+            )
+    if served:
+        notes.append(
+            "Server start (median s from the first action: pull done / the runtime's front "
+            "answering, 502 while vLLM starts / first completion answered): "
+            + "; ".join(served)
+            + "."
+        )
     for scen in LAZY_SCENARIOS:
         s = scenarios.get(scen, {})
         if s.get("status") != "ok":
@@ -886,7 +1092,11 @@ def explain(scenarios: dict[str, Any], via: str = "cri") -> list[str]:
         what = "CRI pull (the proxy snapshotter mounts the image)" if cri else "`snapshotter mount`"
         share = ""
         if snap.get("touched_sectors") and snap.get("image_sectors"):
-            share = f" ({snap['touched_sectors']} of the image's {snap['image_sectors']} sectors)"
+            pct = 100 * snap["touched_sectors"] / snap["image_sectors"]
+            share = (
+                f" ({snap['touched_sectors']} of the image's {snap['image_sectors']} sectors, "
+                f"{pct:.0f}%)"
+            )
         notes.append(
             f"{scen}: {what} {statistics.median(first):.2f} s (median{inside}); "
             f"it fetched {_mb(snap.get('bytes_fetched'))} and the kernel touched "
@@ -953,7 +1163,7 @@ def preflight(cfg: BenchConfig) -> None:
         raise BenchError("needs root (network namespaces, mounts, containerd, drop_caches)")
     tools = ["ip", "tc", "iptables", "containerd", "ctr", "runc", "skopeo", "umoci",
              "docker-registry"]  # fmt: skip
-    if cfg.kind == "ml":
+    if cfg.kind in ("ml", "vllm"):
         tools.append("debootstrap")
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
@@ -1016,7 +1226,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"presets: {', '.join(netns.PRESETS)}; scenarios: {', '.join(SCENARIOS)}",
     )
-    parser.add_argument("--kind", choices=("ml", "tiny"), default="ml")
+    parser.add_argument("--kind", choices=images.KINDS, default="ml",
+                        help="ml: torch + weights (default); vllm: the runtime's vLLM server "
+                        "(CPU backend); tiny: busybox (CI)")  # fmt: skip
     parser.add_argument("--size", type=images.parse_size,
                         help="weights bytes (default 512MiB for ml), e.g. 6GiB")  # fmt: skip
     parser.add_argument("--preset", action="append", dest="presets",
@@ -1056,6 +1268,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if args.kind == "vllm" and args.size is not None:
+        parser.error("--size does not apply to --kind vllm (its model is fixed)")
     if args.smoke:
         args.kind = "tiny"
         args.presets = args.presets or ["none"]
