@@ -50,6 +50,9 @@ class Flavour:
     name: str  # "1.6" (Debian 12's) or "2.x"
     bin_dir: Path | None  # None: the system's, on PATH
     config_version: int  # 2 for 1.6/1.7, 3 for 2.x
+    # 2.x only: drop disable_snapshot_annotations, so that CRI pulls go through the transfer
+    # service (containerd >= 2.1's default) instead of falling back to local pulls.
+    cri_transfer: bool = False
 
     def binary(self, name: str) -> str:
         return str(self.bin_dir / name) if self.bin_dir else name
@@ -63,14 +66,15 @@ class Flavour:
 
 
 def find_flavour(name: str) -> Flavour | str:
-    """The flavour called ``name``, or why it is not available (a skip reason)."""
+    """The flavour called ``name`` ("1.6", "2.x", "2.x-transfer"), or why it is not
+    available (a skip reason)."""
     if name == "1.6":
         return Flavour(name, None, 2)
     proc = subprocess.run([sys.executable, str(REPO / "scripts/fetch-containerd2"), "--cached"],
                           capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         return proc.stderr.strip() or "no containerd 2.x"
-    return Flavour(name, Path(proc.stdout.strip()), 3)
+    return Flavour(name, Path(proc.stdout.strip()), 3, cri_transfer=name.endswith("-transfer"))
 
 
 def wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -150,7 +154,9 @@ class Containerd:
         self.flavour = flavour
         (root / "cni").mkdir(exist_ok=True)
         if flavour.config_version >= 3:
-            text = config_v3(root, self.address, snapshotter.address, registry_host)
+            text = config_v3(
+                root, self.address, snapshotter.address, registry_host, flavour.cri_transfer
+            )
         else:
             text = config_v2(root, self.address, snapshotter.address, registry_host)
         self.config.write_text(text)
@@ -248,10 +254,13 @@ state = "{root / "state"}"
 DEPLOY_CONFIG_V3 = REPO / "deploy/containerd/config-2.x.toml"
 
 
-def config_v3(root: Path, address: Path, proxy: Path, registry_host: str) -> str:
+def config_v3(
+    root: Path, address: Path, proxy: Path, registry_host: str, cri_transfer: bool = False
+) -> str:
     """containerd 2.x: deploy/containerd/config-2.x.toml itself (so that file is what is
     tested), with this node's socket and hosts directory put in and private paths added;
-    the loopback registry over plain HTTP through a hosts.toml under ``config_path``."""
+    the loopback registry over plain HTTP through a hosts.toml under ``config_path``.
+    ``cri_transfer``: without its ``disable_snapshot_annotations`` line (see Flavour)."""
     certs = root / "certs.d"
     (certs / registry_host).mkdir(parents=True, exist_ok=True)
     (certs / registry_host / "hosts.toml").write_text(
@@ -263,6 +272,10 @@ def config_v3(root: Path, address: Path, proxy: Path, registry_host: str) -> str
                           ("/etc/containerd/certs.d", certs)):  # fmt: skip
         assert default in deploy, f"{DEPLOY_CONFIG_V3} no longer names {default}"
         deploy = deploy.replace(f'"{default}"', f'"{ours}"')
+    if cri_transfer:
+        line = "  disable_snapshot_annotations = false\n"
+        assert line in deploy, f"{DEPLOY_CONFIG_V3} no longer sets disable_snapshot_annotations"
+        deploy = deploy.replace(line, "")
     top = f'root = "{root / "root"}"\nstate = "{root / "state"}"\n'
     private = f"""
 [grpc]

@@ -5,7 +5,9 @@ the daemon's CRI image service proxy (``[snapshotter] image_service_address``, t
 The node has no docker config.json (the daemon's ``DOCKER_CONFIG`` is an empty directory), so
 the lazy mounts can only get in with what the proxy recorded from the pull. The registry is
 Debian's docker-registry with token auth (tests/support.py's TokenServer, tokens that die
-after a few seconds), run on each containerd flavour.
+after a few seconds), run on each containerd flavour, and once more on containerd 2.x with
+CRI pulling through its transfer service (the default of 2.1 when the config does not set
+``disable_snapshot_annotations``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from harness import (
     Containerd,
     Flavour,
     alive_at,
+    find_flavour,
     kill_mount_servers,
     registry_blob_bytes,
     registry_log_end,
@@ -36,7 +39,7 @@ from harness import (
     wait_for,
     wait_no_snapshots,
 )
-from support import AuthRegistry, TokenServer, require_tool
+from support import AuthRegistry, TokenServer, require, require_fuse, require_tool
 
 from snapshotter.proto import load_cri
 
@@ -104,6 +107,24 @@ def auth_node(
     tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
 ) -> Iterator[Containerd]:
     """A node whose daemon serves the CRI image service proxy, with no docker config."""
+    yield from _auth_node(tmp_path_factory, auth_registry, flavour)
+
+
+@pytest.fixture(scope="module")
+def transfer_node(
+    tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry
+) -> Iterator[Containerd]:
+    """The same on containerd 2.x whose CRI plugin pulls through the transfer service."""
+    require_fuse()
+    found = find_flavour("2.x-transfer")
+    require(isinstance(found, Flavour), f"containerd 2.x: {found}")
+    assert isinstance(found, Flavour)
+    yield from _auth_node(tmp_path_factory, auth_registry, found)
+
+
+def _auth_node(
+    tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
+) -> Iterator[Containerd]:
     root = tmp_path_factory.mktemp(f"authnode-{flavour.name}")
     empty = root / "no-docker-config"
     empty.mkdir()
@@ -212,3 +233,23 @@ def test_pull_with_credentials_runs_lazily(
     merged = auth_node.snapshotter.root / "data" / "auth" / "config.json"
     assert json.loads(merged.read_text()) == {"auths": {}}
     assert_no_secret(auth_node)
+
+
+def test_pull_through_the_transfer_service(
+    transfer_node: Containerd, auth_registry: AuthRegistry, secure_image
+) -> None:
+    """containerd 2.1's CRI in transfer-service mode: the layer labels come from the proxy
+    plugin's ``enable_remote_snapshot_annotations`` export, the credentials from the
+    keychain, and the image still mounts lazily."""
+    ref, manifest = secure_image
+    blob = manifest["layers"][0]
+    start = registry_log_end(auth_registry)
+    proxy_pull(transfer_node, ref, username=USER, password=PASSWORD)
+    assert "Falling back to local image pull mode" not in transfer_node.log.read_text()
+    out = transfer_node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "tr1",
+                            namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out == "hello from lazyblock\n"
+    read = registry_blob_bytes(auth_registry, blob["digest"], start)
+    assert 0 < read < blob["size"] // 4, (read, blob["size"])
+    assert "credentials recorded for" in transfer_node.snapshotter.log_text()
+    assert_no_secret(transfer_node)
