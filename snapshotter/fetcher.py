@@ -46,7 +46,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -191,6 +191,7 @@ class SectorFetcher:
         self._timed_out: dict[str, float] = {}  # checksum -> when its fetch missed a deadline
         self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
+        self._listeners: list[Callable[[int, bytes], None]] = []
         self._warmer_running = False
         self._closed = threading.Event()
         self._workers = [
@@ -260,6 +261,12 @@ class SectorFetcher:
             return False
         self.metrics.cache_hits.inc()
         return True
+
+    def on_fetched(self, callback: Callable[[int, bytes], None]) -> None:
+        """Call ``callback(n, data)`` with every sector fetched from the store and verified,
+        whoever asked for it (read-ahead and prefetch too), on the fetching thread, before
+        the sector is written to the cache: the reader keeps the latest in memory."""
+        self._listeners.append(callback)
 
     def readahead(self, numbers: Iterable[int], deadline: float | None = None) -> int:
         """Start fetching those of ``numbers`` that are neither cached nor in flight, without
@@ -571,6 +578,8 @@ class SectorFetcher:
                     bad.append(n)
                     continue
                 self.metrics.sectors_fetched.inc()
+                for callback in self._listeners:
+                    callback(n, decoded)
                 self._cache_put(entry.checksum, decoded)
                 self._complete(n, decoded)
             if not bad:

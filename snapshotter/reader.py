@@ -4,8 +4,10 @@
 libfuse's reply buffer; ``read(offset, length)`` returns ``bytes``). It maps the range to
 sectors and serves each piece, straight into its place in the buffer, from, in order:
 
-1. a small in-memory LRU of decoded sectors that were just fetched from the store (or are
-   all zeros), so the reads that follow a fetch do not even go to the disk cache;
+1. a small in-memory LRU of decoded sectors that were just fetched from the store (for this
+   reader, or by read-ahead or prefetch; ``SectorFetcher.on_fetched``) or are all zeros, so
+   the reads that follow a fetch do not even go to the disk cache (which writes entries past
+   the page cache);
 2. the node's sector cache, which keeps sectors decoded: a read is a ``preadv`` of the bytes
    asked for into the buffer, checked block by block where they land
    (``SectorCache.read_into``);
@@ -86,13 +88,22 @@ class BlockReader:
         self.fetcher = fetcher
         self.memory_sectors = memory_sectors
         self.timeout = timeout
+        # Read-ahead lands in the memory LRU (the cache writes entries past the page cache),
+        # so it never runs further ahead than that holds: what it fetched would be pushed
+        # out before the reader got there, and read back from disk.
         self.readahead_sectors = readahead_bytes // index.sector_size
+        if memory_sectors:
+            self.readahead_sectors = min(self.readahead_sectors, memory_sectors)
         self.stream_slack = stream_slack
         self.metrics = fetcher.metrics
         self._lock = threading.Lock()
         self._memory: OrderedDict[int, bytes] = OrderedDict()  # LRU first
         self._touched: dict[int, None] = {}  # insertion-ordered set
         self._streams: list[_Stream] = []  # most recently used last
+        if memory_sectors:
+            # Every fetched sector, read-ahead included, is kept: the cache writes entries
+            # with direct I/O, so the page cache does not have them.
+            fetcher.on_fetched(self._remember_one)
 
     @property
     def size(self) -> int:
@@ -180,6 +191,13 @@ class BlockReader:
         """Forget the decoded sectors held in memory."""
         with self._lock:
             self._memory.clear()
+
+    def _remember_one(self, n: int, data: bytes) -> None:
+        with self._lock:
+            self._memory[n] = data
+            self._memory.move_to_end(n)
+            while len(self._memory) > self.memory_sectors:
+                self._memory.popitem(last=False)
 
     def _remember(self, fetched: dict[int, bytes]) -> None:
         if not self.memory_sectors:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import subprocess
 import threading
@@ -311,3 +312,38 @@ def test_v1_entries_are_taken_over(tmp_path: Path) -> None:
     assert not (tmp_path / "v1" / bad_key[:2] / bad_key).exists()
     cache.gc()
     assert not (tmp_path / "v1").exists()
+
+
+def _fs_type(path: Path) -> str:
+    return subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_whole_block_entries_are_written_past_the_page_cache(tmp_path: Path) -> None:
+    rng = random.Random(10)
+    cache = SectorCache(tmp_path, 16 << 20)
+    aligned = random_entry(rng, 1 << 20)  # a multiple of 4 KiB: direct I/O
+    odd = random_entry(rng, 10_000)  # not: through the page cache
+    assert cache.put(*aligned) and cache.put(*odd)
+    if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):  # all of it is page cache there
+        fd = os.open(tmp_path / "v2" / aligned[0][:2] / aligned[0], os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # not in the page cache
+                os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+        finally:
+            os.close(fd)
+    for key, stored in (aligned, odd):
+        assert (tmp_path / "v2" / key[:2] / key).read_bytes() == stored
+        assert SectorCache(tmp_path, 16 << 20).get(key) == stored  # checked in full
+
+
+@pytest.mark.root
+def test_direct_writes_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) -> None:
+    rng = random.Random(11)
+    cache = SectorCache(tiny_fs, 100 << 20)
+    entries = [random_entry(rng, 64 << 10) for _ in range(40)]  # 2.5 MB of 64 KiB entries
+    results = [cache.put(key, stored) for key, stored in entries]
+    assert results[-1] and cache.metrics.evictions.value > 0
+    assert cache.get(entries[-1][0]) == entries[-1][1]
+    assert not list((tiny_fs / "v2" / "wip").iterdir())
