@@ -16,8 +16,9 @@ image_service_address``), which the kubelet is pointed at (``--image-service-end
   the repository's previous credentials (if any) are put back.
 
 Credentials are held in this process's memory and handed to each mount server in its start
-request (``StoreOptions.credentials``; a pipe or the fork server's socket): never written to disk, never logged (log lines name images
-and hosts only). Accepted forms: ``username``/``password`` and ``auth`` (base64
+request (``StoreOptions.credentials``; a pipe or the fork server's socket): never written to
+disk, never logged (log lines name images and hosts only). Accepted forms:
+``username``/``password`` and ``auth`` (base64
 ``user:password``). ``identity_token`` and ``registry_token`` are not usable for mounts: such
 a pull is forwarded and the mounts fall back to the node's docker config (a warning says so).
 What is lost: a daemon restart forgets every credential. Mounts that outlive the restart
