@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -311,17 +312,8 @@ class TokenServer:
 
                 query = parse_qs(urlsplit(self.path).query)
                 account = server.check(self.headers.get("Authorization", ""))
-                scopes = query.get("scope", [])
-                server.requests.append(
-                    {"time": time.time(), "account": account, "scopes": scopes, "ok": bool(account)}
-                )
-                if not account:
-                    self._reply(401, b'{"details":"bad credentials"}')
-                    return
-                token = server.sign(account, scopes)
-                server.tokens.append(token)
-                doc = {"token": token, "expires_in": server.expires_in}
-                self._reply(200, json.dumps(doc).encode())
+                refused = b'{"details":"bad credentials"}'
+                self._grant(account, query.get("scope", []), "token", refused)
 
             def do_POST(self) -> None:  # noqa: N802
                 """The OAuth2 password grant (what containerd tries first when it has a
@@ -337,16 +329,23 @@ class TokenServer:
                     and server.users[user] == form.get("password", [None])[0]
                 )
                 scopes = " ".join(form.get("scope", [])).split()
+                refused = b'{"error":"invalid_grant"}'
+                self._grant(user if ok else None, scopes, "access_token", refused)
+
+            def _grant(
+                self, account: str | None, scopes: list[str], field: str, refused: bytes
+            ) -> None:
+                """Record the request; reply with a token for ``scopes`` in ``field`` if
+                ``account`` was authenticated, else 401 with ``refused``."""
                 server.requests.append(
-                    {"time": time.time(), "account": user if ok else None, "scopes": scopes,
-                     "ok": ok}
-                )  # fmt: skip
-                if not ok:
-                    self._reply(401, b'{"error":"invalid_grant"}')
+                    {"time": time.time(), "account": account, "scopes": scopes, "ok": bool(account)}
+                )
+                if not account:
+                    self._reply(401, refused)
                     return
-                token = server.sign(user, scopes)
+                token = server.sign(account, scopes)
                 server.tokens.append(token)
-                doc = {"access_token": token, "expires_in": server.expires_in}
+                doc = {field: token, "expires_in": server.expires_in}
                 self._reply(200, json.dumps(doc).encode())
 
             def _reply(self, status: int, body: bytes) -> None:
@@ -449,3 +448,20 @@ class AuthRegistry(Registry):
             )
             auth = f"auth:\n  htpasswd:\n    realm: lazyblock-test\n    path: {htpasswd}\n"
         super().__init__(root, extra_config=auth, log_level="info")
+
+
+@contextlib.contextmanager
+def token_auth_registry(
+    root: Path, users: dict[str, str], expires_in: int, lifetime: int | None = None
+) -> Iterator[AuthRegistry]:
+    """A registry with token auth and its token service (``registry.tokens``), both on
+    loopback under ``root``, stopped on exit."""
+    require_tool("docker-registry")
+    tokens = TokenServer(root, users, expires_in=expires_in, lifetime=lifetime)
+    (root / "registry").mkdir()
+    registry = AuthRegistry(root / "registry", users, tokens)
+    try:
+        yield registry
+    finally:
+        registry.stop()
+        tokens.stop()

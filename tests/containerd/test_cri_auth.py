@@ -39,7 +39,7 @@ from harness import (
     wait_for,
     wait_no_snapshots,
 )
-from support import AuthRegistry, TokenServer, require, require_fuse, require_tool
+from support import AuthRegistry, require, require_fuse, token_auth_registry
 
 from snapshotter.proto import load_cri
 
@@ -56,16 +56,9 @@ cri = load_cri()
 
 @pytest.fixture(scope="module")
 def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthRegistry]:
-    require_tool("docker-registry")
     root = tmp_path_factory.mktemp("authreg")
-    tokens = TokenServer(root, {USER: PASSWORD}, expires_in=LIFETIME)
-    (root / "registry").mkdir()
-    reg = AuthRegistry(root / "registry", {USER: PASSWORD}, tokens)
-    try:
+    with token_auth_registry(root, {USER: PASSWORD}, expires_in=LIFETIME) as reg:
         yield reg
-    finally:
-        reg.stop()
-        tokens.stop()
 
 
 @pytest.fixture(scope="module")

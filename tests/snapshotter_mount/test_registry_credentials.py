@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from mounthelp import with_store_options
-from support import AuthRegistry, TokenServer, require_tool
+from support import AuthRegistry, TokenServer, require_tool, token_auth_registry
 
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import RegistryStore
@@ -75,15 +75,10 @@ def token_registry(request, tmp_path: Path) -> Iterator[AuthRegistry]:  # noqa: 
 
 
 def _token_registry(tmp_path: Path, expires_in: int) -> Iterator[AuthRegistry]:
-    require_tool("docker-registry")
-    tokens = TokenServer(tmp_path, {USER: PASSWORD}, expires_in=expires_in, lifetime=LIFETIME)
-    (tmp_path / "registry").mkdir()
-    reg = AuthRegistry(tmp_path / "registry", {USER: PASSWORD}, tokens)
-    try:
+    with token_auth_registry(
+        tmp_path, {USER: PASSWORD}, expires_in=expires_in, lifetime=LIFETIME
+    ) as reg:
         yield reg
-    finally:
-        reg.stop()
-        tokens.stop()
 
 
 def _convert(umoci_source: tuple[Path, Path], ref: str, docker_config: Path) -> str:

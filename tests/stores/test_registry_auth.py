@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from support import AuthRegistry, TokenServer, require_tool
+from support import TokenServer, token_auth_registry
 
 from imagetool.errors import AuthError
 from imagetool.format import BLOB_MEDIA_TYPE
@@ -196,14 +196,9 @@ def test_basic_flow(auth_server, tmp_path: Path, monkeypatch) -> None:
 
 @pytest.fixture
 def token_registry(tmp_path: Path) -> Iterator[tuple[str, TokenServer]]:
-    require_tool("docker-registry")
-    tokens = TokenServer(tmp_path, {USER: PASSWORD}, expires_in=300)
-    registry = AuthRegistry(tmp_path, {USER: PASSWORD}, tokens)
-    try:
-        yield registry.host, tokens
-    finally:
-        registry.stop()
-        tokens.stop()
+    with token_auth_registry(tmp_path, {USER: PASSWORD}, expires_in=300) as registry:
+        assert registry.tokens is not None
+        yield registry.host, registry.tokens
 
 
 @pytest.mark.integration
