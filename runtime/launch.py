@@ -371,6 +371,12 @@ class Front(Dispatcher):
             conn.send(self, self.pool)
 
     def connect_failed(self, conn: ClientConn, backend, exc: BaseException) -> None:
+        if self.state == "starting":
+            # Expected until the engine listens (vLLM takes minutes to load): a 503 the
+            # client can retry, and no warning per request.
+            log.debug("engine not listening yet: %s", exc)
+            self._answer(conn, 503, b"engine starting\n")
+            return
         log.warning("engine unreachable: %s", exc)
         self._answer(conn, 502, b"engine unavailable\n")
 

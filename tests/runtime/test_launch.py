@@ -159,7 +159,10 @@ def test_ready_only_after_warmup_then_proxies(launcher) -> None:
     la = launcher("--startup-delay", "1.5")
     la.wait_status("/health", 200)
     assert la.get("/ready").status_code == 503  # engine still starting
+    early = _complete(la.url)  # the engine does not listen yet: retryable, not logged
+    assert early.status_code == 503 and early.text == "engine starting\n"
     la.wait_status("/ready", 200)
+    assert "engine unreachable" not in la.output()
     assert la.engine_stats()["completions"] >= 4  # the warm-up batch went through the engine
     r = _complete(la.url)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " corrected."
