@@ -35,10 +35,12 @@ import contextlib
 import gc
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import xxhash
 import zstandard
 
@@ -123,6 +125,63 @@ class FileExtent:
     length: int
 
 
+class FileMap(Sequence[FileExtent]):
+    """An index's file map as parsed: the JSON rows, turned into checked ``FileExtent``s
+    the first time anything looks at them.
+
+    Mounting needs the sector table, not the file map (profiles and ``imagetool ls`` do), and
+    for a 200,000-file image building the extents costs as much as parsing the JSON. Rows
+    that are not ``[path, offset, length]`` raise ``FormatError`` on that first use. The
+    bytes were checked against the index digest already, so only a writer bug gets there.
+    """
+
+    __slots__ = ("_rows", "_extents", "_lock")
+
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows: list[Any] | None = rows
+        self._extents: tuple[FileExtent, ...] | None = None
+        self._lock = threading.Lock()
+
+    def _built(self) -> tuple[FileExtent, ...]:
+        extents = self._extents
+        if extents is None:
+            with self._lock, _collector_paused():
+                if self._extents is None:
+                    self._extents = _file_extents(self._rows or [])
+                    self._rows = None
+                extents = self._extents
+        return extents
+
+    def __len__(self) -> int:
+        rows = self._rows
+        return len(rows) if rows is not None else len(self._built())
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        return self._built()[i]
+
+    def __iter__(self) -> Iterator[FileExtent]:
+        return iter(self._built())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FileMap):
+            other = other._built()
+        return isinstance(other, tuple) and self._built() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FileMap({len(self)} files)"
+
+
+def _file_extents(rows: list[Any]) -> tuple[FileExtent, ...]:
+    try:
+        return tuple(FileExtent(_str(p), _int(o), _int(n)) for p, o, n in rows)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"malformed index file map: {type(e).__name__}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Index:
     image_size: int
@@ -135,7 +194,7 @@ class Index:
     manifest_digest: str = ""
     platform: str = ""
     config: dict[str, Any] = field(default_factory=dict)
-    files: tuple[FileExtent, ...] = ()
+    files: Sequence[FileExtent] = ()  # a tuple, or the parser's FileMap
     block_size: int = FS_BLOCK_SIZE
 
     def __post_init__(self) -> None:
@@ -260,8 +319,8 @@ class Index:
     def from_bytes(cls, data: bytes) -> Index:
         with _collector_paused():
             try:
-                doc = json.loads(data)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                doc = orjson.loads(data)  # the same JSON as json.loads, 2-4x faster
+            except orjson.JSONDecodeError as e:
                 raise FormatError(f"index is not valid JSON: {e}") from None
             if not isinstance(doc, dict):
                 raise FormatError("index is not a JSON object")
@@ -290,7 +349,7 @@ class Index:
                 manifest_digest=str(source.get("manifest_digest", "")),
                 platform=str(source.get("platform", "")),
                 config=dict(source.get("config", {})),
-                files=tuple(FileExtent(str(p), _int(o), _int(n)) for p, o, n in doc["files"]),
+                files=_file_map(doc["files"]),
                 block_size=_int(fs["block_size"]),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -312,6 +371,18 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _file_map(rows: Any) -> FileMap:
+    if not isinstance(rows, list):
+        raise FormatError(f"malformed index: files is {type(rows).__name__}, not a list")
+    return FileMap(rows)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise FormatError(f"expected a path string, got {v!r}")
+    return v
 
 
 def _int(v: Any) -> int:

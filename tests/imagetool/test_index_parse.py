@@ -38,13 +38,38 @@ def test_parsing_leaves_the_collector_as_it_was(enabled: bool) -> None:
     was = gc.isenabled()
     try:
         (gc.enable if enabled else gc.disable)()
-        Index.from_bytes(good)
+        assert len(Index.from_bytes(good).files) == 10
+        assert gc.isenabled() is enabled
+        index = Index.from_bytes(bad)  # the file map is checked when first used
         assert gc.isenabled() is enabled
         with pytest.raises(FormatError, match="non-negative"):
-            Index.from_bytes(bad)
+            list(index.files_in_range(0, 1))
         assert gc.isenabled() is enabled
         with pytest.raises(FormatError, match="not valid JSON"):
             Index.from_bytes(b"{")
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_the_file_map_is_built_on_first_use_and_checked() -> None:
+    index = _index(1_000)
+    parsed = Index.from_bytes(index.to_bytes())
+    assert len(parsed.files) == 1_000  # from the rows, nothing built yet
+    assert parsed.files[7] == FileExtent("/d7/f7", 7 * 4096, 10)
+    assert parsed.files == index.files and index.files == parsed.files
+    assert parsed.to_bytes() == index.to_bytes()
+    for bad_row, message in (
+        (["/x", 0], "file map"),  # two fields
+        ([7, 0, 10], "path string"),
+        (["/x", 0, True], "non-negative"),
+    ):
+        doc = json.loads(index.to_bytes())
+        doc["files"][0] = bad_row
+        broken = Index.from_bytes(json.dumps(doc).encode())
+        with pytest.raises(FormatError, match=message):
+            list(broken.files)
+    doc = json.loads(index.to_bytes())
+    doc["files"] = {"not": "rows"}
+    with pytest.raises(FormatError, match="not a list"):
+        Index.from_bytes(json.dumps(doc).encode())

@@ -1,0 +1,47 @@
+"""The FUSE adapter's startup profile: the files behind the byte ranges read, in
+first-access order, mapped through the index's file map only when asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from datapath_support import SECTOR, Image
+
+from snapshotter.fetcher import SectorFetcher
+from snapshotter.fuse import BLOCK, BlockFile
+from snapshotter.reader import BlockReader
+
+
+def _read(ops: BlockFile, offset: int, length: int) -> bytes:
+    out = bytearray(length)
+    n = ops.read_into(offset, memoryview(out))
+    return bytes(out[:n])
+
+
+def test_profile_lists_files_in_first_access_order(
+    image: Image, make_fetcher: Callable[..., SectorFetcher]
+) -> None:
+    ops = BlockFile(BlockReader(image.index, make_fetcher()))
+    assert ops.touched_files() == []
+    assert _read(ops, 30 * SECTOR, BLOCK) == image.data[30 * SECTOR : 30 * SECTOR + BLOCK]
+    _read(ops, 3 * SECTOR + 150, 10)  # unaligned, inside /app/main.py only
+    _read(ops, 0, 2 * BLOCK)  # /usr/bin/python3
+    _read(ops, 9 * SECTOR, BLOCK)  # /app/weights.bin
+    assert ops.touched_files() == [
+        "/etc/hosts",
+        "/app/main.py",
+        "/usr/bin/python3",
+        "/app/weights.bin",
+    ]
+
+
+def test_rereading_whole_blocks_adds_nothing_to_the_log(
+    image: Image, make_fetcher: Callable[..., SectorFetcher]
+) -> None:
+    ops = BlockFile(BlockReader(image.index, make_fetcher()))
+    for _ in range(3):
+        _read(ops, 0, 16 * BLOCK)
+        _read(ops, 4 * BLOCK, BLOCK)  # inside what was read
+    assert len(ops._ranges) == 1
+    _read(ops, 15 * BLOCK, 2 * BLOCK)  # one new block
+    assert len(ops._ranges) == 2 and ops.touched_files() == ["/usr/bin/python3"]
