@@ -37,10 +37,13 @@ the server, summed over the container's processes when the answer came).
 
     python benchmarks/coldstart/run.py                        # ml image, 1g-1ms, 3 runs
     python benchmarks/coldstart/run.py --preset 1g-1ms --preset 200m-20ms --size 6GiB
-    python benchmarks/coldstart/run.py --kind vllm --keep-other-images   # the vLLM server
+    python benchmarks/coldstart/run.py --kind vllm            # the vLLM server
     python benchmarks/coldstart/run.py --smoke                # CI: tiny image, no shaping
 
-Writes ``results/latest.json``, ``results/latest.md`` and ``results/latest.png``.
+Writes ``results/latest.json``, ``results/latest.md`` and ``results/latest.png``, keeping
+the results already there for the other images and presets (``merge_earlier``; ``--fresh``
+drops them). ``--prepare-only`` does the untimed preparation alone (build, push, convert,
+profile), so that a timed run under the benchmark lock only measures.
 """
 
 from __future__ import annotations
@@ -109,7 +112,9 @@ class BenchConfig:
     drop_caches: bool = True  # off only for the CI smoke test, which checks plumbing, not speed
     via: str = "cri"  # "cri": kubelet's path (CRI pull; proxy snapshotter); "ctr": see docstring
     net: netns.NetConfig = field(default_factory=netns.NetConfig)
-    keep_other_images: bool = False  # keep other images' results from out/latest.json
+    # keep what out/latest.json holds for other images and presets (see merge_earlier)
+    keep_earlier: bool = True
+    prepare_only: bool = False  # build, push, convert, record the profile; measure nothing
 
 
 # --- pure parts --------------------------------------------------------------------------------
@@ -288,12 +293,26 @@ def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: e["image"]["compressed_bytes"])
 
 
+RUN_KEYS = ("generated", "runs", "via", "caches_dropped")  # how a preset's results came about
+
+
 def merge_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
-    """``results`` with the images of an earlier ``latest.json`` kept in ``other_images``
-    (an image measured again replaces its earlier results)."""
+    """``results`` with an earlier ``latest.json``'s kept, per image and preset: other images
+    go to ``other_images``; this image's presets that this run did not measure stay, each
+    stamped with how its own run came about (``RUN_KEYS``), unless the image itself changed
+    (another manifest digest). What this run measured replaces the earlier results."""
     tag = results["image"]["tag"]
-    others = [e for e in image_entries(earlier) if e["image"]["tag"] != tag]
-    return {**results, "other_images": others}
+    others, same = [], None
+    for e in image_entries(earlier):
+        if e["image"]["tag"] != tag:
+            others.append(e)
+        elif e["image"].get("manifest_digest") == results["image"].get("manifest_digest"):
+            same = e
+    presets = dict(results["presets"])
+    for name, pr in (same or {}).get("presets", {}).items():
+        if name not in presets:
+            presets[name] = {**{k: same[k] for k in RUN_KEYS if k in same}, **pr}
+    return {**results, "presets": presets, "other_images": others}
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -307,6 +326,18 @@ READY_SERVED = (
     "backend); ready: the first completion asked over HTTP from the host answered. Read by "
     "workload: summed over the container's processes at that moment."
 )
+
+
+def _run_text(entry: dict[str, Any]) -> str:
+    """How a run came about, in words: when, how many rounds, the node path."""
+    parts = [f"{entry['generated']}"] if entry.get("generated") else []
+    if "runs" in entry:
+        parts.append(f"{entry['runs']} runs per scenario")
+    if entry.get("via"):
+        parts.append(f"`--via {entry['via']}`")
+    if entry.get("caches_dropped") is False:
+        parts.append("page cache NOT dropped")
+    return ", ".join(parts)
 
 
 def _image_section(results: dict[str, Any], name_image: bool) -> str:
@@ -337,8 +368,12 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
         title = f"{img['tag']}, {name}" if name_image else name
         lines.append(f"### {title}: {rate}, {rtt}{measured}")
         lines.append("")
-        if pr.get("rounds", results["runs"]) < results["runs"]:
-            lines += [f"**Partial: {pr['rounds']} of {results['runs']} rounds so far.**", ""]
+        own = {k: pr[k] for k in RUN_KEYS if k in pr and pr[k] != results.get(k)}
+        if own:  # kept from an earlier run than the image's header describes
+            lines += [f"Measured by an earlier run: {_run_text(pr)}.", ""]
+        runs = pr.get("runs", results["runs"])
+        if pr.get("rounds", runs) < runs:
+            lines += [f"**Partial: {pr['rounds']} of {runs} rounds so far.**", ""]
         lines += [
             "| scenario | time to ready (median) | min | max | from registry | read by workload |",
             "|---|---:|---:|---:|---:|---:|",
@@ -764,11 +799,16 @@ class Bench:
             log.info("converting %s -> %s", src, self.lazy.ref(tag))
             self.lazy.convert(src, digest, tag)
         profile = self.cfg.work / "profiles" / f"{tag}.txt"
-        if not profile.exists() or not self.lazy.up_to_date(f"{tag}-profile", digest):
+        stamp = self.cfg.work / "profiles" / f"{tag}.source"  # the image it was recorded on
+        recorded = profile.exists() and stamp.exists() and stamp.read_text().strip() == digest
+        if not recorded:
             log.info("recording the startup profile of %s", tag)
             profile.parent.mkdir(parents=True, exist_ok=True)
             self._lazy_setup(prefetch=False, keep_cache=False)
             self._lazy_timed(tag, prefetch=False, record_profile=profile)
+            stamp.write_text(digest + "\n")
+        if not recorded or not self.lazy.up_to_date(f"{tag}-profile", digest):
+            # a profile names files, so one recorded on this source image still fits it
             log.info("converting %s with its profile", tag)
             self.lazy.convert(src, digest, f"{tag}-profile", profile)
 
@@ -1176,11 +1216,15 @@ def preflight(cfg: BenchConfig) -> None:
     if cfg.kind in ("ml", "vllm"):
         tools.append("debootstrap")
     missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        raise BenchError(f"missing tools: {', '.join(missing)}")
     unknown = [p for p in cfg.presets if p not in netns.PRESETS]
     if unknown:
         raise BenchError(f"unknown preset(s) {unknown}; known: {list(netns.PRESETS)}")
+    delayed = any(netns.PRESETS[p].rtt_ms for p in cfg.presets)
+    if delayed and importlib.util.find_spec("netfilterqueue") is None:
+        missing.append("the NetfilterQueue Python package (the link's delay)")
+    if missing:
+        raise BenchError(f"missing: {', '.join(missing)} (scripts/install-bench-deps installs "
+                         "what the benchmark needs)")  # fmt: skip
 
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -1201,7 +1245,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     }
     earlier_path = cfg.out / "latest.json"
     earlier = None
-    if cfg.keep_other_images and earlier_path.exists():
+    if cfg.keep_earlier and earlier_path.exists():
         earlier = json.loads(earlier_path.read_text())
     default_out = cfg.out.resolve() == (HERE / "results").resolve()
     readme = HERE / "README.md" if default_out else None
@@ -1217,6 +1261,11 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         bench = Bench(cfg, img, remote)
         try:
             bench.prepare()
+            if cfg.prepare_only:
+                if bench.lazy_reason:
+                    raise BenchError(bench.lazy_reason)
+                log.info("prepared %s; nothing measured", img.tag)
+                return results
             for name in cfg.presets:
 
                 def on_round(out: dict[str, Any], name: str = name) -> None:
@@ -1253,12 +1302,23 @@ def main(argv: list[str] | None = None) -> int:
         "ctr: ctr image pull, snapshotter mount + ctr run --rootfs",
     )
     parser.add_argument(
-        "--keep-other-images",
+        "--fresh",
         action="store_true",
-        help="keep the results of other images (other --size) from the existing latest.json",
+        help="drop the earlier results in latest.json (by default the other images' and "
+        "presets' results are kept beside this run's)",
+    )
+    # the default now; accepted so that earlier command lines still run
+    parser.add_argument("--keep-other-images", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="only build, push and convert the images and record the profile (untimed; "
+        "so that a timed run holding the benchmark lock measures and nothing else)",
     )
     parser.add_argument("--work", type=Path, default=HERE / "work")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path,
+                        help="results folder (default: results/; work/smoke-results/ with "
+                        "--smoke)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="CI: tiny image, no shaping, 1 run (unless given)")  # fmt: skip
     parser.add_argument(
@@ -1266,12 +1326,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = args.work / "smoke-results" if args.smoke else HERE / "results"
     if args.report:
         results = json.loads((args.out / "latest.json").read_text())
         for entry in [results, *(results.get("other_images") or [])]:
             for name, pr in entry["presets"].items():
                 pr["targets"] = evaluate_targets(pr["scenarios"]) if name == TARGET_PRESET else []
-                pr["notes"] = explain(pr["scenarios"], entry.get("via", "ctr"))
+                pr["notes"] = explain(pr["scenarios"], pr.get("via", entry.get("via", "ctr")))
         default_out = args.out.resolve() == (HERE / "results").resolve()
         write_results(results, args.out, HERE / "README.md" if default_out else None)
         print(markdown_table(results))
@@ -1292,7 +1354,8 @@ def main(argv: list[str] | None = None) -> int:
         scenarios=tuple(args.scenarios or SCENARIOS),
         runs=args.runs,
         via=args.via,
-        keep_other_images=args.keep_other_images,
+        keep_earlier=not args.fresh,
+        prepare_only=args.prepare_only,
         work=args.work.resolve(),
         out=args.out.resolve(),
     )
@@ -1305,6 +1368,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, images.ImageBuildError, netns.NetError) as e:
         print(f"coldstart: error: {e}", file=sys.stderr)
         return 3
+    if cfg.prepare_only:
+        print(f"prepared {results['image']['tag']} (nothing measured, results untouched)")
+        return 0
     print(markdown_table(results))
     print(f"\nwritten: {cfg.out / 'latest.json'}, latest.md, latest.png")
     return 0

@@ -157,6 +157,32 @@ def test_other_images_are_kept_and_reported():
     assert run.markdown_table(small).count("Image `") == 1
 
 
+def test_presets_of_one_image_accumulate_across_runs():
+    earlier = _results()
+    earlier["generated"] = "2026-12-01T10:00:00+00:00"
+    earlier["runs"] = 5
+    earlier["presets"]["200m-20ms"] = {**earlier["presets"]["1g-1ms"],
+                                       "preset": {"name": "200m-20ms", "rate_mbit": 200.0,
+                                                  "rtt_ms": 20.0}}  # fmt: skip
+    now = _results()
+    now["generated"] = "2026-12-02T22:00:00+00:00"
+    now["presets"]["1g-1ms"]["scenarios"]["full-pull"] = _scen(7.0, 9_000_000, 0)
+    merged = run.merge_earlier(now, earlier)
+    # this run's preset replaces the earlier one; the one it did not measure stays
+    assert list(merged["presets"]) == ["1g-1ms", "200m-20ms"]
+    assert merged["presets"]["1g-1ms"]["scenarios"]["full-pull"]["time_to_ready_s"]["median"] == 7
+    kept = merged["presets"]["200m-20ms"]
+    assert kept["generated"] == earlier["generated"] and kept["runs"] == 5
+    md = run.markdown_table(merged)
+    assert md.count("Measured by an earlier run: 2026-12-01T10:00:00+00:00, 5 runs") == 1
+    # kept through a third run too, with its own stamp
+    again = run.merge_earlier({**now, "presets": {}}, merged)
+    assert again["presets"]["200m-20ms"]["generated"] == earlier["generated"]
+    # another build of the image (new manifest digest) does not inherit the old figures
+    rebuilt = {**now, "image": {**now["image"], "manifest_digest": "sha256:new"}}
+    assert list(run.merge_earlier(rebuilt, merged)["presets"]) == ["1g-1ms"]
+
+
 def test_partial_results_say_so():
     res = _results()
     res["runs"] = 3
