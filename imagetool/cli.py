@@ -164,13 +164,18 @@ class _Progress:
 
 @cli.command()
 @click.argument("ref")
+@click.option("--index", "whole_index", is_flag=True,
+              help="Print the whole index (its canonical JSON, uncompressed) instead.")  # fmt: skip
 @click.pass_context
-def inspect(ctx: click.Context, ref: str) -> None:
+def inspect(ctx: click.Context, ref: str, whole_index: bool) -> None:
     """Print a JSON summary of a block image."""
     from imagetool.image import open_image
 
     with open_image(ref, _store_options(ctx)) as img:
         idx = img.index
+        if whole_index:
+            click.echo(idx.to_bytes().decode())
+            return
         stored = [s for s in idx.sectors if not s.is_zero]
         summary = {
             "reference": ref,

@@ -140,7 +140,7 @@ def convert(
             files=plan.files,
         )
         store.put_blob(packed.blob_digest, blob_path, BLOB_MEDIA_TYPE)
-        digest = store.publish(ref.tag or "latest", index.to_bytes())
+        digest = store.publish(ref.tag or "latest", index.to_blob())
         log.info("published %s:%s as %s", ref.name, ref.tag, digest)
         return ConvertResult(digest, index)
 

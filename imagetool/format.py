@@ -21,6 +21,11 @@ canonical JSON document that describes the image:
       "files": [[path, image_offset, length], ...]   # regular files with data, layout order
     }
 
+The index is stored as that document compressed into one zstd frame (media type
+``INDEX_MEDIA_TYPE``; a 200,000-file image's 9.7 MB of JSON is 1.1 MB), and named by the sha256
+of the stored bytes. Readers also accept it uncompressed (``INDEX_JSON_MEDIA_TYPE``, what
+images written before compression carry).
+
 A sector entry with ``compressed_length == 0`` is an all-zero sector (not in the blob). The
 checksum is always over the *uncompressed* bytes of the sector; the last sector may be
 shorter than ``sector_size``. Blobs are named by the sha256 of their bytes.
@@ -56,13 +61,21 @@ DEFAULT_SECTOR_SIZE = 4 << 20
 MIN_SECTOR_SIZE = 64 << 10
 MAX_SECTOR_SIZE = 64 << 20
 DEFAULT_ZSTD_LEVEL = 3
+# The index's zstd level: its JSON compresses best at low levels (9.7 MB of paths: level 1
+# 1.11 MB, 3 1.47 MB, 9 1.17 MB at ten times the time).
+INDEX_ZSTD_LEVEL = 1
+# An index larger than this, uncompressed, is refused (a 200,000-file image's is 9.7 MB).
+MAX_INDEX_BYTES = 1 << 30
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 COMPRESSION = "zstd"
 CHECKSUM = "xxh3-128"
 
 # Media types of the index and data blob. Both sit under "application/vnd.oci.image.layer.":
 # containerd 1.6/1.7 only treats such media types as layers (images.IsLayerType), and only
 # layers get snapshotter labels and may be skipped by a remote snapshotter, not downloaded.
-INDEX_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.index.v1+json"
+INDEX_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.index.v1+zstd"
+INDEX_JSON_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.index.v1+json"
+INDEX_MEDIA_TYPES = (INDEX_MEDIA_TYPE, INDEX_JSON_MEDIA_TYPE)
 BLOB_MEDIA_TYPE = "application/vnd.oci.image.layer.lazyblock.sectors.v1"
 # A layer annotation under containerd's inherited prefix ("containerd.io/snapshot/"): every
 # containerd client passes it to the snapshotter as a Prepare label. Value: "index"/"blob".
@@ -311,12 +324,25 @@ class Index:
             self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False
         ).encode()
 
+    def to_blob(self) -> bytes:
+        """The index as stored: ``to_bytes()`` in one zstd frame (``INDEX_MEDIA_TYPE``)."""
+        return zstandard.ZstdCompressor(level=INDEX_ZSTD_LEVEL).compress(self.to_bytes())
+
     @property
     def digest(self) -> str:
-        return sha256_digest(self.to_bytes())
+        """The digest of the index as stored (``to_blob()``)."""
+        return sha256_digest(self.to_blob())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Index:
+        """Parse an index blob: ``to_blob()``'s zstd frame, or the JSON itself."""
+        if data[:4] == _ZSTD_MAGIC:
+            try:
+                data = zstandard.ZstdDecompressor().decompress(
+                    data, max_output_size=MAX_INDEX_BYTES
+                )
+            except zstandard.ZstdError as e:
+                raise FormatError(f"index is not a valid zstd frame: {e}") from None
         with _collector_paused():
             try:
                 doc = orjson.loads(data)  # the same JSON as json.loads, 2-4x faster
@@ -356,6 +382,11 @@ class Index:
             if isinstance(e, FormatError):
                 raise
             raise FormatError(f"malformed index: {type(e).__name__}: {e}") from None
+
+
+def index_media_type(blob: bytes) -> str:
+    """The media type of an index blob: compressed (``to_blob()``) or plain JSON."""
+    return INDEX_MEDIA_TYPE if blob[:4] == _ZSTD_MAGIC else INDEX_JSON_MEDIA_TYPE
 
 
 @contextlib.contextmanager

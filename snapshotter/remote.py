@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imagetool.format import ANNOTATION_ROLE, BLOB_MEDIA_TYPE, INDEX_MEDIA_TYPE
+from imagetool.format import ANNOTATION_ROLE, BLOB_MEDIA_TYPE, INDEX_MEDIA_TYPES
 from imagetool.stores.base import StoreOptions
 from snapshotter.credentials import Credentials
 from snapshotter.crikeychain import Keychain
@@ -81,7 +81,7 @@ ROLE_INDEX = "index"
 # layers it may skip).
 _ROLE_BY_MEDIA_TYPE = {
     BLOB_MEDIA_TYPE: ROLE_BLOB,
-    INDEX_MEDIA_TYPE: ROLE_INDEX,
+    **dict.fromkeys(INDEX_MEDIA_TYPES, ROLE_INDEX),
 }
 DOCKER_HUB = "docker.io"
 DOCKER_HUB_REGISTRY = "registry-1.docker.io"

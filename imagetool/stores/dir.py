@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from imagetool.errors import NotFoundError, StoreError
-from imagetool.format import INDEX_MEDIA_TYPE, check_digest, sha256_digest
+from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.stores._common import check_publishable, check_range, verify_source
 from imagetool.stores.base import Store
 from imagetool.stores.refs import check_name_component, check_tag
@@ -135,7 +135,7 @@ class DirStore(Store):
     def publish(self, tag: str, index_bytes: bytes) -> str:
         check_publishable(self, tag, index_bytes)
         digest = sha256_digest(index_bytes)
-        self.put_blob(digest, index_bytes, INDEX_MEDIA_TYPE)
+        self.put_blob(digest, index_bytes, index_media_type(index_bytes))
         _atomic_write(self._ref_dir() / tag, (digest + "\n").encode(), f"{self.url}: ref")
         log.info("published %s:%s -> %s in %s", self.name, tag, digest, self.url)
         return digest

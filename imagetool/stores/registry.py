@@ -36,8 +36,10 @@ from imagetool.format import (
     ANNOTATION_SNAPSHOT_ROLE,
     BLOB_MEDIA_TYPE,
     INDEX_MEDIA_TYPE,
+    INDEX_MEDIA_TYPES,
     Index,
     check_digest,
+    index_media_type,
     sha256_digest,
 )
 from imagetool.registry import RegistryClient
@@ -119,7 +121,7 @@ class RegistryStore(Store):
         index_digest = sha256_digest(index_bytes)
         config = image_config(index, index_digest)
         config_digest = sha256_digest(config)
-        manifest = image_manifest(index, index_digest, len(index_bytes), config_digest, config)
+        manifest = image_manifest(index, index_digest, index_bytes, config_digest, config)
         self.client.upload_blob(config_digest, config)
         self.client.upload_blob(index_digest, index_bytes)
         manifest_digest = self.client.put_manifest(tag, manifest, OCI_MANIFEST)
@@ -162,7 +164,7 @@ def image_config(index: Index, index_digest: str) -> bytes:
 
 
 def image_manifest(
-    index: Index, index_digest: str, index_size: int, config_digest: str, config: bytes
+    index: Index, index_digest: str, index_blob: bytes, config_digest: str, config: bytes
 ) -> bytes:
     """The OCI image manifest of a block image (deterministic bytes)."""
     digests = {ANNOTATION_INDEX_DIGEST: index_digest, ANNOTATION_BLOB_DIGEST: index.blob_digest}
@@ -178,9 +180,9 @@ def image_manifest(
                 "annotations": {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"},
             },
             {
-                "mediaType": INDEX_MEDIA_TYPE,
+                "mediaType": index_media_type(index_blob),
                 "digest": index_digest,
-                "size": index_size,
+                "size": len(index_blob),
                 "annotations": {
                     ANNOTATION_ROLE: "index",
                     ANNOTATION_SNAPSHOT_ROLE: "index",
@@ -225,7 +227,7 @@ def index_digest_from_manifest(body: bytes, media_type: str, where: str) -> str:
                 continue
             annotations = layer.get("annotations") or {}
             role = annotations.get(ANNOTATION_ROLE) if isinstance(annotations, dict) else None
-            if role == "index" or layer.get("mediaType") == INDEX_MEDIA_TYPE:
+            if role == "index" or layer.get("mediaType") in INDEX_MEDIA_TYPES:
                 return check_digest(str(layer.get("digest")))
     raise FormatError(
         f"{where} is an ordinary container image, not a lazyblock block image (no layer of "

@@ -26,7 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
-from imagetool.format import INDEX_MEDIA_TYPE, check_digest, sha256_digest
+from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.stores._common import check_publishable, check_range, verify_source
 from imagetool.stores.base import Store, StoreOptions
 from imagetool.stores.refs import check_name_component, check_tag
@@ -176,7 +176,7 @@ class S3Store(Store):
     def publish(self, tag: str, index_bytes: bytes) -> str:
         check_publishable(self, tag, index_bytes)
         digest = sha256_digest(index_bytes)
-        self.put_blob(digest, index_bytes, INDEX_MEDIA_TYPE)
+        self.put_blob(digest, index_bytes, index_media_type(index_bytes))
         key = self._ref_key(tag)
         _call(
             self._where(key),

@@ -15,6 +15,8 @@ from itool import erofs_mount, imagetool, snapshot
 from ocibuild import push_to_registry, to_docker_archive, unpack_with_umoci
 from support import require_tool
 
+from imagetool.format import Index
+
 
 def check_against_kernel(ref: str, source, work: Path) -> None:  # noqa: ANN001
     """raw -> fsck.erofs -> loop mount -> compare with the umoci-unpacked source."""
@@ -77,7 +79,9 @@ def test_small_sectors_and_profile_layout(umoci_image, tmp_path):
               umoci_image.spec, ref)  # fmt: skip
     store = tmp_path / "store"
     digest = (store / "refs/app/prof").read_text().strip()
-    index = json.loads((store / "blobs/sha256" / digest.split(":")[1]).read_bytes())
+    stored = (store / "blobs/sha256" / digest.split(":")[1]).read_bytes()
+    index = json.loads(imagetool("inspect", "--index", ref).out)
+    assert Index.from_dict(index).to_blob() == stored  # the index as stored: compressed
     files = [f[0] for f in index["files"]]
     assert files[:3] == ["/app/run.sh", "/data/big.bin", "/etc/hostname"]
     offsets = [f[1] for f in index["files"]]

@@ -7,9 +7,20 @@ import gc
 import json
 
 import pytest
+import zstandard
 
 from imagetool.errors import FormatError
-from imagetool.format import MIN_SECTOR_SIZE, FileExtent, Index, Sector, sector_checksum
+from imagetool.format import (
+    INDEX_JSON_MEDIA_TYPE,
+    INDEX_MEDIA_TYPE,
+    MIN_SECTOR_SIZE,
+    FileExtent,
+    Index,
+    Sector,
+    index_media_type,
+    sector_checksum,
+    sha256_digest,
+)
 
 
 def _index(files: int) -> Index:
@@ -73,3 +84,17 @@ def test_the_file_map_is_built_on_first_use_and_checked() -> None:
     doc["files"] = {"not": "rows"}
     with pytest.raises(FormatError, match="not a list"):
         Index.from_bytes(json.dumps(doc).encode())
+
+
+def test_the_stored_index_is_one_zstd_frame_and_plain_json_still_parses() -> None:
+    index = _index(20_000)
+    blob = index.to_blob()
+    assert blob[:4] == b"\x28\xb5\x2f\xfd" and len(blob) < len(index.to_bytes()) / 4
+    assert index_media_type(blob) == INDEX_MEDIA_TYPE
+    assert index_media_type(index.to_bytes()) == INDEX_JSON_MEDIA_TYPE
+    assert Index.from_bytes(blob) == index == Index.from_bytes(index.to_bytes())
+    assert index.digest == sha256_digest(blob)
+    with pytest.raises(FormatError, match="zstd"):
+        Index.from_bytes(blob[:-7])  # truncated frame
+    with pytest.raises(FormatError, match="not valid JSON"):
+        Index.from_bytes(zstandard.ZstdCompressor().compress(b"{not json"))

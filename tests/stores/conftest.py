@@ -62,7 +62,7 @@ def make_image(seed: int = 0) -> TinyImage:
         platform="linux/amd64",
         config={"Entrypoint": ["/bin/sh"], "Env": ["PATH=/usr/bin:/bin"], "WorkingDir": "/"},
     )
-    index_bytes = index.to_bytes()
+    index_bytes = index.to_blob()  # as imagetool convert publishes it
     return TinyImage(index, index_bytes, sha256_digest(index_bytes), blob, index.blob_digest)
 
 

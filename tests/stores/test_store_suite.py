@@ -13,7 +13,7 @@ from imagetool.errors import (
     NotFoundError,
     StoreError,
 )
-from imagetool.format import BLOB_MEDIA_TYPE, sha256_digest
+from imagetool.format import BLOB_MEDIA_TYPE, Index, sha256_digest
 from imagetool.stores import ImageRef
 from imagetool.stores.base import Store
 
@@ -110,6 +110,17 @@ def test_publish_resolve_list_tags(store: Store, image) -> None:
     assert store.list_tags() == ["latest", "v1"]
     assert store.resolve_ref(ImageRef(store.url, store.name, "v1")) == digest
     assert store.resolve_ref(ImageRef(store.url, store.name)) == digest
+
+
+def test_a_plain_json_index_still_publishes_and_opens(store: Store, image) -> None:
+    """Images written before indexes were compressed carry the JSON itself."""
+    put(store, image)
+    plain = image.index.to_bytes()
+    digest = store.publish("old", plain)
+    assert digest == sha256_digest(plain) != image.index_digest
+    assert store.resolve("old") == digest
+    assert Index.from_bytes(store.read_blob(digest)) == image.index
+    assert Index.from_bytes(image.index_bytes) == image.index  # the compressed one
 
 
 def test_overwrite_tag(store: Store, tiny_image: Callable) -> None:
