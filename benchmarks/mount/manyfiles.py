@@ -9,7 +9,10 @@ small files (a Python environment has 50,000-200,000), so its index (the file ma
 megabytes of JSON that every first mount fetches, verifies and parses. Mount times are
 taken by ``mounttime.py``, as in ``run.py`` (node's first mount, a mount on a node that has
 mounted before, a remount), for this checkout and each ``--variant``, interleaved over
-``--rounds``; medians. Also reports the index's size and its parse time in this process.
+``--rounds``; medians. The image is published twice, with its index compressed (as
+``imagetool convert`` writes it) and as plain JSON (as older checkouts wrote it); this
+checkout mounts both, a ``--variant`` the JSON one. Also reports each index's size and its
+parse time in this process.
 """
 
 from __future__ import annotations
@@ -64,11 +67,15 @@ def setup(work: Path, files: int, reuse: bool) -> tuple[Registry, str]:
             check=True, capture_output=True,
         )  # fmt: skip
         marker.write_text(str(files))
+    # The same image with its index as plain JSON (what checkouts before compressed indexes
+    # write and read): the same-run reference for the index encoding.
+    with open_image(ref, StoreOptions(plain_http=True)) as img:
+        img.store.publish("v1-json", img.index.to_bytes())
     return registry, ref
 
 
 def parse_seconds(ref: str) -> tuple[int, float, int]:
-    """(index bytes, median seconds of ``Index.from_bytes`` over 5 parses, files)."""
+    """(index blob bytes, median seconds of ``Index.from_bytes`` over 5 parses, files)."""
     with open_image(ref, StoreOptions(plain_http=True)) as img:
         data = img.store.read_blob(img.digest)
     times = []
@@ -77,6 +84,10 @@ def parse_seconds(ref: str) -> tuple[int, float, int]:
         index = Index.from_bytes(data)
         times.append(time.perf_counter() - start)
     return len(data), statistics.median(times), len(index.files)
+
+
+def json_ref(ref: str) -> str:
+    return ref.removesuffix(":v1") + ":v1-json"
 
 
 def main() -> int:
@@ -95,14 +106,19 @@ def main() -> int:
         variants[name] = str(Path(path).resolve())
     registry, ref = setup(args.work, args.files, args.reuse)
     results: dict[str, object] = {"files": args.files, "rounds": args.rounds}
-    runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
+    # This checkout mounts both encodings of the index; other checkouts (older ones read
+    # only JSON) the plain JSON one.
+    targets = {"current": (str(ROOT), ref), "current-json-index": (str(ROOT), json_ref(ref))}
+    targets |= {name: (path, json_ref(ref)) for name, path in variants.items() if name != "current"}
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in targets}
     try:
-        size, parse, count = parse_seconds(ref)
-        results.update(index_bytes=size, index_files=count, parse_seconds_here=parse)
+        for key, r in (("zstd", ref), ("json", json_ref(ref))):
+            size, parse, count = parse_seconds(r)
+            results[f"index_{key}"] = {"bytes": size, "parse_seconds": parse, "files": count}
         for _ in range(args.rounds):
-            for name, path in variants.items():
+            for name, (path, target) in targets.items():
                 os.environ["PYTHONPATH"] = path
-                runs[name].append(measure_mount(ref, args.work, "auto", args.mount_repeats))
+                runs[name].append(measure_mount(target, args.work, "auto", args.mount_repeats))
     finally:
         os.environ.pop("PYTHONPATH", None)
         registry.stop()
