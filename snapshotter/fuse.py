@@ -195,6 +195,23 @@ _memory_view.restype = ctypes.py_object
 _PYBUF_WRITE = 0x200
 
 
+# libfuse's workers are C threads: for each callback on one, ctypes creates a Python thread
+# state and deletes it when the callback returns (allocating, registering and tearing down
+# interpreter state on every FUSE request). The first read on a worker keeps its thread
+# state for the thread's life instead (one more PyGILState_Ensure, never released). libfuse
+# keeps its workers for the mount's life (up to ``max_idle_threads`` idle ones); one that
+# exits leaves its few kilobytes behind, and a new thread that happens to get its identifier
+# just goes on the old way.
+_threads_kept: set[int] = set()
+
+
+def _keep_thread_state() -> None:
+    ident = threading.get_ident()
+    if ident not in _threads_kept:
+        _threads_kept.add(ident)
+        ctypes.pythonapi.PyGILState_Ensure()
+
+
 class _Fuse(mfusepy.FUSE):
     """mfusepy with a read callback that fills libfuse's buffer in place.
 
@@ -205,6 +222,7 @@ class _Fuse(mfusepy.FUSE):
     (nothing keeps a reference to it or its slices past the call)."""
 
     def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+        _keep_thread_state()
         view = _memory_view(ctypes.cast(buf, ctypes.c_void_p).value, size, _PYBUF_WRITE)
         try:
             return self.operations.read_into(offset, view)
