@@ -1,48 +1,55 @@
 """The node's local sector cache: verified sectors on disk, shared by every mount and image.
 
 An entry is one sector's *uncompressed* bytes, named by their xxh3-128 checksum. Naming by
-content means two images (or two tags of one image) that share a sector share its cache entry,
-and an entry can be checked on its own: hash it, compare with the name. Keeping sectors
-decoded (layout ``v2``; ``v1`` kept them zstd-compressed) makes a warm read one ``pread`` of
-the bytes asked for, not a whole-sector decompression.
+content means two images (or two tags of one image) that share a sector share its cache entry.
+Keeping sectors decoded makes a warm read one ``pread`` of the bytes asked for, not a
+whole-sector decompression.
+
+Entry file (layout ``v3``)::
+
+    [sector bytes][zeros to a 4 KiB boundary][trailer, ending on a 4 KiB boundary]
+    trailer = xxh3-64 of each VERIFY_BLOCK of the sector bytes, zeros, then the footer
+    footer  = magic, layout version, block size, sector bytes, trailer bytes,
+              the entry's checksum (its name), xxh3-64 of the trailer before this field
 
 Verification. No byte leaves the cache unverified, and an entry is never trusted because of
-where it lies:
+where it lies. ``put`` takes only bytes that hash to the entry's name (or that its caller
+has just checked so, ``Index.decode_sector``) and records, in the trailer, the digest of each
+``VERIFY_BLOCK`` (16 KiB) block of exactly those bytes. A process that first uses an entry
+reads its footer (the last 4 KiB) and checks that the trailer hashes to what the footer says,
+that it names this very entry and that the sizes agree with the file; every read then reads
+the blocks that cover the range asked for and checks each against its digest, so a file
+that was damaged, truncated, replaced or renamed is caught on the very read that would have
+served it. A process never has to read a whole 4 MiB entry to serve 128 KiB of it (layout
+``v2`` kept the digests in memory only, so each new mount server read every entry it touched
+in full first: a random reader of a warm cache paid 32x its bytes). An entry that fails a
+check is a logged miss and is deleted; it is never returned.
 
-* The first time a process uses an entry, it reads the whole entry and checks it against its
-  name (xxh3-128, ~0.5 ms for 4 MiB). While it has the verified bytes it also records the
-  xxh3-64 of every ``VERIFY_BLOCK`` (32 KiB) block, in memory (1 KiB per 4 MiB sector).
-* Every later read (``read``, or ``read_into`` a caller's buffer) preads only the blocks that
-  cover the range asked for and checks each against its recorded digest, so a file that was
-  corrupted, truncated or replaced after the first check is still caught, on the very read
-  that would have served it. ``read_into`` checks the bytes in the caller's buffer itself
-  (the parts of the edge blocks outside the range go to scratch), so what is checked is
-  exactly what is served.
-* ``put`` records the digests from the bytes it is given (the caller verified them).
-
-An entry that fails either check is a logged miss and is deleted; it is never returned.
+Direct I/O. Entries are read and written with ``O_DIRECT`` (through page-aligned buffers)
+where the file system allows it (not tmpfs): the kernel caches the image's pages once, in
+the erofs mount above the FUSE file; a second copy of the same bytes in the page cache of
+the entry files would double the memory a warm image takes and cost a page-cache fill per
+read (on a random read of a warm cache that fill was a fifth of the mount server's CPU).
 
 Layout under ``root`` (the version lets a later layout live beside this one)::
 
-    v2/wip/<random>             entries being written (removed on open)
-    v2/<cc>/<checksum>          one entry; <cc> is the checksum's first two hex digits
+    v3/wip/<random>             entries being written (removed on open)
+    v3/<cc>/<checksum>          one entry; <cc> is the checksum's first two hex digits
 
-Writes go to ``wip/`` and are renamed into place, so readers see a whole entry or none. An
-entry whose size is a multiple of 4 KiB (every sector but perhaps an image's last) is written
-with direct I/O from a page-aligned buffer: copying it into the page cache cost a third of a
-cold read's CPU, and the bytes a read wants next are in the reader's memory anyway. They
-are not fsynced: a crash can leave a renamed entry with lost or torn contents, which the first
-read of it detects (every entry is checked in full before a process first uses it) and
-refetches, so a sync per sector would only buy back a refetch. The cache is bounded to
-``max_bytes`` of entry bytes with least-recently-used eviction; the recency clock is the
-entry file's mtime, set when an entry is used (at most every ``TOUCH_INTERVAL`` seconds per
-entry), so the order survives restarts: opening a cache rebuilds its state from the
-directory. Entries *pinned* by an in-progress read are never evicted. Caching is best effort:
-when the disk is full a put evicts and retries once, and if the entry still cannot be written
-it is dropped (``put`` returns False) — the read that produced it succeeds regardless.
+Writes go to ``wip/`` and are renamed into place, so readers see a whole entry or none. They
+are not fsynced: a crash can leave a renamed entry with lost or torn contents, which the
+first read of it detects and refetches, so a sync per sector would only buy back a refetch.
+The cache is bounded to ``max_bytes`` of entry files with least-recently-used eviction; the
+recency clock is the entry file's mtime, set when an entry is used (at most every
+``TOUCH_INTERVAL`` seconds per entry), so the order survives restarts: opening a cache
+rebuilds its state from the directory. Entries *pinned* by an in-progress read are never
+evicted. Caching is best effort: when the disk is full a put evicts and retries once, and if
+the entry still cannot be written it is dropped (``put`` returns False) — the read that
+produced it succeeds regardless.
 
-Entries of the ``v1`` layout are taken over when first wanted (decompressed, checked, written
-as ``v2``, the ``v1`` file removed); ``gc()`` removes whatever of ``v1`` is left.
+Entries of the older layouts (``v2``: decoded bytes alone; ``v1``: zstd-compressed) are
+taken over when first wanted (read in full, checked against their name, written as ``v3``,
+the old file removed); ``gc()`` removes whatever of them is left.
 
 Several processes may share one directory (the node runs a mount server per mount): an
 entry another process wrote is found on disk and adopted, one it evicted is a miss, and each
@@ -60,6 +67,7 @@ import mmap
 import os
 import resource
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -77,25 +85,35 @@ from snapshotter.metrics import CacheMetrics
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = "v2"
-OLD_LAYOUT_VERSION = "v1"  # zstd-compressed entries; migrated on first use
-# Granularity of the checks of later reads of a verified entry: a read checks the 32 KiB
-# blocks that cover it (at most 64 KiB more than asked for); digests cost 8 bytes a block.
-VERIFY_BLOCK = 32 << 10
+LAYOUT_VERSION = "v3"
+# Older layouts, taken over when first wanted: v2 held a sector's decoded bytes alone (block
+# digests in memory only), v1 held them zstd-compressed.
+OLD_LAYOUTS = ("v2", "v1")
+# Granularity of the checks: a read checks the blocks that cover it, so it reads at most two
+# blocks' worth more than asked for (a 128 KiB read ~140 KiB); a digest costs 8 bytes a block,
+# 2 KiB per 4 MiB sector in the trailer and in the memory of each process using the entry.
+VERIFY_BLOCK = 16 << 10
+# Entry files are laid out, written and read in units of this (the page size, a multiple of
+# every disk's logical block size): direct I/O needs offsets, lengths and buffers aligned.
+ALIGN = 4096
+_MAGIC = b"LZBKSECT"
+_TRAILER_VERSION = 3
+# magic, version, block size, sector bytes, trailer bytes, checksum (raw), xxh3-64 of the rest
+_FOOTER = struct.Struct("<8sIIQQ16sQ")
 # On-disk recency is refreshed at most this often per entry: an mtime update per read would
 # be a metadata write per FUSE request, and the restart order needs no finer clock.
 TOUCH_INTERVAL = 10.0
-# Entry files kept open for reads: reopening one per read would cost a path lookup and,
-# worse, lose the kernel's read-ahead state, which lives in the open file. Random reads over
-# an image touch every entry in turn, so the cap covers a 16 GiB image of 4 MiB sectors; it
-# is lowered to a quarter of the process's descriptor limit (``open_file_cap``), so that the
-# cache never starves the rest of the process of descriptors.
+# Entry files kept open for reads: reopening one per read would cost a path lookup. Random
+# reads over an image touch every entry in turn, so the cap covers a 16 GiB image of 4 MiB
+# sectors; it is lowered to a quarter of the process's descriptor limit (``open_file_cap``),
+# so that the cache never starves the rest of the process of descriptors.
 OPEN_FILES = 4096
-# Entries are written with direct I/O (from a page-aligned buffer, one per writing thread)
-# when their size is a multiple of this: no copy into the page cache, which on a cold read
-# is a third of the mount server's CPU. Otherwise, or where the file system refuses
-# O_DIRECT (tmpfs), they are written through the page cache.
-DIRECT_IO_ALIGN = 4096
+# Aligned buffers kept for reuse, in bytes: enough for the reads and writes a mount server
+# has in flight at once (FUSE reads of up to 1 MiB, the fetcher's 4 MiB entries). Mapping and
+# faulting in fresh memory per read would cost more than the read.
+POOL_BYTES = 32 << 20
+# Buffers come in sizes that are multiples of this, so that similar requests share them.
+POOL_GRAIN = 64 << 10
 # A put that finds the disk full frees this much beyond its own size before retrying, so the
 # next few puts do not each hit ENOSPC (and pay for a failed write) again.
 ENOSPC_SLACK_BYTES = 8 << 20
@@ -122,15 +140,14 @@ def decode_stored(stored: bytes, checksum: str) -> bytes | None:
         return None
 
 
-def block_digests(data: bytes | memoryview) -> bytes:
-    """xxh3-64 of each ``VERIFY_BLOCK`` block of ``data``, concatenated."""
+def block_digests(data: bytes | memoryview, block: int = VERIFY_BLOCK) -> bytes:
+    """xxh3-64 of each ``block``-byte block of ``data``, concatenated."""
     view = memoryview(data)
-    return b"".join(
-        xxhash.xxh3_64_digest(view[i : i + VERIFY_BLOCK]) for i in range(0, len(view), VERIFY_BLOCK)
-    )
+    digest = xxhash.xxh3_64_digest
+    return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
 
 
-def parts_digests(parts: list[memoryview]) -> bytes:
+def parts_digests(parts: list[memoryview], block: int = VERIFY_BLOCK) -> bytes:
     """``block_digests`` of the concatenation of ``parts``, without concatenating them: a
     block that spans parts is hashed incrementally."""
     out = []
@@ -139,15 +156,15 @@ def parts_digests(parts: list[memoryview]) -> bytes:
     for part in parts:
         pos, n = 0, len(part)
         if partial is not None:
-            pos = min(VERIFY_BLOCK - filled, n)
+            pos = min(block - filled, n)
             partial.update(part[:pos])
             filled += pos
-            if filled == VERIFY_BLOCK:
+            if filled == block:
                 out.append(partial.digest())
                 partial = None
-        while n - pos >= VERIFY_BLOCK:
-            out.append(xxhash.xxh3_64_digest(part[pos : pos + VERIFY_BLOCK]))
-            pos += VERIFY_BLOCK
+        while n - pos >= block:
+            out.append(xxhash.xxh3_64_digest(part[pos : pos + block]))
+            pos += block
         if pos < n:
             partial = xxhash.xxh3_64()
             partial.update(part[pos:])
@@ -157,33 +174,102 @@ def parts_digests(parts: list[memoryview]) -> bytes:
     return b"".join(out)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def entry_trailer(checksum: str, size: int, digests: bytes, block: int = VERIFY_BLOCK) -> bytes:
+    """The trailer of the entry ``checksum`` whose ``size`` sector bytes have these block
+    digests: the digests, zeros, and the footer, ending on an ``ALIGN`` boundary."""
+    length = _aligned(len(digests) + _FOOTER.size)
+    head = digests + bytes(length - len(digests) - _FOOTER.size)
+    footer = _FOOTER.pack(_MAGIC, _TRAILER_VERSION, block, size, length, bytes.fromhex(checksum), 0)
+    body = head + footer[:-8]
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def entry_file_size(size: int, block: int = VERIFY_BLOCK) -> int:
+    """Bytes on disk of the entry of a ``size``-byte sector (what counts against the cap)."""
+    return _aligned(size) + _aligned(-(-size // block) * 8 + _FOOTER.size)
+
+
 class _File:
     """An open entry file, closed when the last user lets go of it (never while one preads
-    it, so its descriptor number cannot be reused under a reader)."""
+    it, so its descriptor number cannot be reused under a reader): ``fd`` reads past the page
+    cache where the file system allows it, ``buffered()`` through it (opened on first use)."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd", "path", "_buffered")
 
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def __init__(self, path: Path, direct: bool) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        self._buffered = self.fd if not direct else -1
+
+    def buffered(self) -> int:
+        if self._buffered < 0:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            if os.fstat(fd).st_ino != os.fstat(self.fd).st_ino:  # replaced meanwhile
+                os.close(fd)
+                raise FileNotFoundError(errno.ENOENT, "entry replaced", str(self.path))
+            if self._buffered < 0:
+                self._buffered = fd
+            else:  # another thread got there first
+                os.close(fd)
+        return self._buffered
 
     def __del__(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.close(self.fd)
+            if self._buffered not in (-1, self.fd):
+                os.close(self._buffered)
 
 
 class _Verified:
-    """What a process knows of an entry it checked in full: its size and block digests."""
+    """What a process knows of an entry whose trailer it checked: its size and the digests
+    of its blocks."""
 
-    __slots__ = ("size", "digests", "touched")
+    __slots__ = ("size", "block", "digests", "touched")
 
-    def __init__(self, size: int, digests: bytes, touched: float) -> None:
+    def __init__(self, size: int, block: int, digests: bytes, touched: float) -> None:
         self.size = size
+        self.block = block
         self.digests = digests
         self.touched = touched
 
 
+class _Buffers:
+    """Page-aligned buffers (private anonymous mappings) for direct I/O, reused. Not tied to
+    threads: libfuse's workers are C threads, whose Python thread state (and any
+    thread-local with it) lives only as long as one callback."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._kept = 0
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap:
+        grain = -(-max(size, 1) // POOL_GRAIN) * POOL_GRAIN
+        with self._lock:
+            free = self._free.get(grain)
+            if free:
+                self._kept -= grain
+                return free.pop()
+        return mmap.mmap(-1, grain, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def give(self, buf: mmap.mmap) -> None:
+        grain = len(buf)
+        with self._lock:
+            if self._kept + grain <= self._keep:
+                self._free.setdefault(grain, []).append(buf)
+                self._kept += grain
+                return
+        buf.close()
+
+
 class SectorCache:
-    """Sectors' uncompressed bytes on disk, keyed by checksum, LRU-bounded to ``max_bytes``."""
+    """Sectors' uncompressed bytes on disk, keyed by checksum, LRU-bounded to ``max_bytes``
+    of entry files."""
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         if max_bytes <= 0:
@@ -192,18 +278,19 @@ class SectorCache:
         self.max_bytes = max_bytes
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
-        self._old = self.root / OLD_LAYOUT_VERSION
         self._wip = self._dir / "wip"
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> size, LRU first
+        self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> file bytes, LRU first
         self._usage = 0
         self._pins: _Multiset[str] = _Multiset()
-        self._verified: dict[str, _Verified] = {}  # entries checked in full by this process
-        self._verifying: dict[str, threading.Event] = {}  # full checks in progress
+        self._verified: dict[str, _Verified] = {}  # entries whose trailer this process checked
         self._files: OrderedDict[str, _File] = OrderedDict()  # open entries, LRU first
         self._open_cap = open_file_cap()
-        self._direct = True  # entries are written with O_DIRECT until the file system refuses
-        self._buffers = threading.local()  # per writing thread: a page-aligned mmap
+        # Direct I/O until the file system refuses it (tmpfs), separately for reads and
+        # writes.
+        self._direct_read = True
+        self._direct_write = True
+        self._buffers = _Buffers(POOL_BYTES)
         try:
             self._wip.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -226,100 +313,65 @@ class SectorCache:
         check_checksum(checksum)
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"invalid cache read: offset {offset}, length {length}")
-        with self._lock:
-            known = checksum in self._entries
-            verified = self._verified.get(checksum)
-        if not known and not self._adopt(checksum) and not self._migrate(checksum):
-            self.metrics.misses.inc()
-            return None
-        if verified is None:
-            return self._read_first(checksum, offset, length, size)
-        if size is not None and verified.size != size:
+        verified = self._lookup(checksum)
+        if verified is None or (size is not None and verified.size != size):
             self.metrics.misses.inc()
             return None
         end = verified.size if length is None else min(verified.size, offset + length)
         if offset >= end:
             self._hit(checksum, verified)
             return b""
-        lo = offset - offset % VERIFY_BLOCK
-        hi = min(verified.size, -(-end // VERIFY_BLOCK) * VERIFY_BLOCK)
-        try:
-            file = self._open(checksum)
-            data = os.pread(file.fd, hi - lo, lo)
-        except OSError as e:  # evicted meanwhile, or removed behind our back
-            return self._lost(checksum, e)
-        expected = verified.digests[lo // VERIFY_BLOCK * 8 : -(-hi // VERIFY_BLOCK) * 8]
-        if len(data) != hi - lo or block_digests(data) != expected:
-            self._corrupt(checksum, file, f"blocks {lo}..{hi} changed since it was verified")
+        data = self._read_checked(checksum, verified, offset, end, None)
+        if data is None:
             return None
         self._hit(checksum, verified)
-        if lo == offset and hi == end:
-            return data
-        return data[offset - lo : end - lo]
+        return data
 
     def read_into(
-        self, checksum: str, offset: int, out: memoryview, size: int | None = None
+        self,
+        checksum: str,
+        offset: int,
+        out: memoryview,
+        size: int | None = None,
+        *,
+        sequential: bool = False,
     ) -> bool:
-        """Fill ``out`` with bytes ``[offset, offset+len(out))`` of the entry, verified: the
-        FUSE file's read path, which hands in the buffer libfuse replies from, so that the
-        bytes are read from disk straight into it and checked where they lie (no copy in
-        between). Returns False on a miss, a corrupt entry, an entry whose size is not
-        ``size`` (when given) or one too short for the range; ``out`` then holds garbage
-        that must not be served."""
+        """Fill ``out`` with bytes ``[offset, offset+len(out))`` of the entry, verified (the
+        FUSE file's read path, which hands in the buffer libfuse replies from). Returns
+        False on a miss, a corrupt entry, an entry whose size is not ``size`` (when given)
+        or one too short for the range; ``out`` then holds garbage that must not be
+        served.
+
+        ``sequential``: the read is part of a sequential stream, which ``will_need`` has
+        had the kernel read ahead: read through the page cache, straight into ``out``.
+        Otherwise the blocks are read past the page cache (a random read would only fill
+        it with a second copy of what the mount above caches) into an aligned buffer, and
+        copied."""
         check_checksum(checksum)
-        length = len(out)
         if offset < 0:
             raise ValueError(f"invalid cache read: offset {offset}")
-        with self._lock:
-            known = checksum in self._entries
-            verified = self._verified.get(checksum)
-        if verified is None or not known:
-            data = self.read(checksum, offset, length, size)
-            if data is None or len(data) != length:
-                return False
-            out[:] = data
-            return True
-        end = offset + length
-        if (size is not None and verified.size != size) or end > verified.size:
+        end = offset + len(out)
+        verified = self._lookup(checksum)
+        if verified is None or (size is not None and verified.size != size) or end > verified.size:
             self.metrics.misses.inc()
             return False
-        if not length:
-            self._hit(checksum, verified)
-            return True
-        # The 32 KiB blocks that cover the range are read in one preadv: the range itself
-        # into ``out``, the parts of the first and last blocks outside it into scratch.
-        lo = offset - offset % VERIFY_BLOCK
-        hi = min(verified.size, -(-end // VERIFY_BLOCK) * VERIFY_BLOCK)
-        parts: list[memoryview] = [out]
-        if offset > lo:
-            parts.insert(0, memoryview(bytearray(offset - lo)))
-        if hi > end:
-            parts.append(memoryview(bytearray(hi - end)))
-        try:
-            file = self._open(checksum)
-            got = os.preadv(file.fd, parts, lo)
-        except OSError as e:  # evicted meanwhile, or removed behind our back
-            self._lost(checksum, e)
-            return False
-        expected = verified.digests[lo // VERIFY_BLOCK * 8 : -(-hi // VERIFY_BLOCK) * 8]
-        if got != hi - lo or parts_digests(parts) != expected:
-            self._corrupt(checksum, file, f"blocks {lo}..{hi} changed since it was verified")
-            return False
+        if end > offset:
+            if sequential or not self._direct_read:
+                ok = self._read_buffered(checksum, verified, offset, out)
+            else:
+                ok = self._read_checked(checksum, verified, offset, end, out) is not None
+            if not ok:
+                return False
         self._hit(checksum, verified)
         return True
 
     def will_need(self, checksum: str) -> None:
-        """The entry will be read soon: verify it now if this process has not yet (which
-        reads it all), else have the kernel start reading it from disk. Blocks for as long
-        as that takes: call it off the data path."""
-        with self._lock:
-            verified = checksum in self._verified
-        if not verified:
-            self.read(checksum, 0, 0)
+        """The entry will be read sequentially soon: have the kernel start reading it into
+        the page cache (see ``read_into``'s ``sequential``)."""
+        if self._lookup(check_checksum(checksum)) is None:
             return
-        with contextlib.suppress(OSError, ValueError):
-            file = self._open(check_checksum(checksum))
-            os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._open(checksum).buffered(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     def __contains__(self, checksum: object) -> bool:
         with self._lock:
@@ -337,7 +389,7 @@ class SectorCache:
         return True
 
     def usage(self) -> int:
-        """Bytes held by entries."""
+        """Bytes held by entry files."""
         with self._lock:
             return self._usage
 
@@ -359,19 +411,21 @@ class SectorCache:
             self.metrics.put_failures.inc()
             log.error("sector cache: bytes put as %s do not hash to it; not cached", checksum)
             return False
-        size = len(data)
+        digests = block_digests(data)
+        trailer = entry_trailer(checksum, len(data), digests)
+        total = _aligned(len(data)) + len(trailer)
         with self._lock:
             if checksum in self._entries:
                 self._touch(checksum)
                 return True
-            if not self._make_room(size):
+            if not self._make_room(total):
                 self.metrics.put_failures.inc()
-                log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, size)
+                log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, total)
                 return False
         tmp = None
         for attempt in (1, 2):
             try:
-                tmp = self._write_tmp(data)
+                tmp = self._write_tmp(data, trailer)
                 break
             except OSError as e:
                 if e.errno not in _DISK_FULL or attempt == 2:
@@ -379,10 +433,9 @@ class SectorCache:
                     log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
                     return False
                 with self._lock:
-                    freed = self._evict(size + ENOSPC_SLACK_BYTES)
+                    freed = self._evict(total + ENOSPC_SLACK_BYTES)
                 log.info("sector cache: disk full, evicted %d bytes and retrying", freed)
         assert tmp is not None
-        digests = block_digests(data)
         path = self._path(checksum)
         with self._lock:
             if checksum in self._entries:  # another thread won the race
@@ -397,10 +450,10 @@ class SectorCache:
                 self.metrics.put_failures.inc()
                 log.warning("sector cache: cannot install %s: %s; not cached", checksum, e)
                 return False
-            self._make_room(size)  # others may have filled the room since we checked
-            self._entries[checksum] = size
-            self._usage += size
-            self._verified[checksum] = _Verified(size, digests, time.monotonic())
+            self._make_room(total)  # others may have filled the room since we checked
+            self._entries[checksum] = total
+            self._usage += total
+            self._verified[checksum] = _Verified(len(data), VERIFY_BLOCK, digests, time.monotonic())
         self.metrics.puts.inc()
         return True
 
@@ -428,12 +481,13 @@ class SectorCache:
 
     def gc(self) -> int:
         """Reconcile with the directory (entries deleted or added behind our back, leftover
-        temporary files, what is left of the ``v1`` layout) and evict down to
-        ``max_bytes``. Returns the bytes evicted."""
+        temporary files, what is left of older layouts) and evict down to ``max_bytes``.
+        Returns the bytes evicted."""
         freed = 0
-        if self._old.is_dir():
-            freed += sum(size for _, size, _ in cache_entries(self.root, OLD_LAYOUT_VERSION))
-            shutil.rmtree(self._old, ignore_errors=True)
+        for layout in OLD_LAYOUTS:
+            if (self.root / layout).is_dir():
+                freed += sum(size for _, size, _ in cache_entries(self.root, layout))
+                shutil.rmtree(self.root / layout, ignore_errors=True)
         with self._lock:
             self._entries.clear()
             self._usage = 0
@@ -448,57 +502,156 @@ class SectorCache:
                 self._forget(checksum)
                 _unlink(self._path(checksum))
 
-    # --- internals ------------------------------------------------------------------------
+    # --- internals: reads -----------------------------------------------------------------
 
     def _path(self, checksum: str) -> Path:
         return self._dir / checksum[:2] / checksum
 
-    def _read_first(
-        self, checksum: str, offset: int, length: int | None, size: int | None
-    ) -> bytes | None:
-        """A read of an entry this process has not verified yet: read all of it, check it
-        against its name, record its block digests. One thread per entry does it; others
-        wait for it and then read as usual."""
-        while True:
-            with self._lock:
-                if checksum in self._verified:
-                    break
-                event = self._verifying.get(checksum)
-                mine = event is None
-                if mine:
-                    event = self._verifying[checksum] = threading.Event()
-            if mine:
-                try:
-                    return self._verify(checksum, offset, length, size)
-                finally:
-                    with self._lock:
-                        self._verifying.pop(checksum).set()
-            assert event is not None
-            event.wait()  # then verified, or found corrupt or gone (and this one tries)
-        return self.read(checksum, offset, length, size)
+    def _lookup(self, checksum: str) -> _Verified | None:
+        """What this process knows of the entry, checking its trailer on first use (and
+        taking in an entry another process or an older layout holds); None on a miss."""
+        with self._lock:
+            known = checksum in self._entries
+            verified = self._verified.get(checksum)
+        if known and verified is not None:
+            return verified
+        if not known and not self._adopt(checksum) and not self._migrate(checksum):
+            return None
+        with self._lock:
+            verified = self._verified.get(checksum)
+        return verified if verified is not None else self._check_trailer(checksum)
 
-    def _verify(
-        self, checksum: str, offset: int, length: int | None, want: int | None
-    ) -> bytes | None:
+    def _check_trailer(self, checksum: str) -> _Verified | None:
+        """Read and check the entry's trailer: the first use of an entry in this process."""
         try:
             file = self._open(checksum)
-            size = os.fstat(file.fd).st_size
-            data = os.pread(file.fd, size, 0)
-        except OSError as e:
+            file_size = os.fstat(file.fd).st_size
+            if file_size < ALIGN or file_size % ALIGN:
+                self._corrupt(checksum, file, f"size {file_size} is not whole pages")
+                return None
+            tail = self._pread(file, ALIGN, file_size - ALIGN)
+            if len(tail) != ALIGN:
+                self._corrupt(checksum, file, "short read of its trailer")
+                return None
+            magic, version, block, size, length, name, _ = _FOOTER.unpack_from(
+                tail, ALIGN - _FOOTER.size
+            )
+            if (
+                magic == _MAGIC
+                and version == _TRAILER_VERSION
+                and length % ALIGN == 0
+                and _aligned(size) + length == file_size
+                and length > ALIGN
+            ):
+                tail = self._pread(file, length, file_size - length)
+        except OSError as e:  # evicted meanwhile, or removed behind our back
             return self._lost(checksum, e)
-        if xxhash.xxh3_128_hexdigest(data) != checksum:
-            self._corrupt(checksum, file, "checksum mismatch")
+        count = -(-size // block) if block > 0 else -1
+        why = None
+        if magic != _MAGIC or version != _TRAILER_VERSION:
+            why = "no trailer"
+        elif (
+            length % ALIGN
+            or _aligned(size) + length != file_size
+            or block <= 0
+            or block % ALIGN
+            or count * 8 + _FOOTER.size > length
+        ):
+            why = f"trailer does not fit the file ({size} + {length} bytes of {file_size})"
+        elif xxhash.xxh3_64_digest(tail[:-8]) != tail[-8:]:
+            why = "trailer checksum mismatch"
+        elif name.hex() != checksum:
+            why = f"it is entry {name.hex()}"
+        if why is not None:
+            self._corrupt(checksum, file, why)
             return None
-        verified = _Verified(len(data), block_digests(data), 0.0)
+        verified = _Verified(size, block, bytes(tail[: count * 8]), 0.0)
         with self._lock:
             if checksum in self._entries:
-                self._verified[checksum] = verified
-        if want is not None and len(data) != want:
-            self.metrics.misses.inc()
-            return None
-        self._hit(checksum, verified)
-        end = len(data) if length is None else offset + length
-        return data if offset == 0 and end >= len(data) else data[offset:end]
+                verified = self._verified.setdefault(checksum, verified)
+        return verified
+
+    def _pread(self, file: _File, length: int, offset: int) -> bytes:
+        """``length`` bytes at ``offset`` (both ``ALIGN``-aligned) of an entry file."""
+        buf = self._buffers.take(length)
+        view = memoryview(buf)
+        try:
+            got = self._preadv(file, view[:length], offset)
+            return view[:got].tobytes()
+        finally:
+            view.release()
+            self._buffers.give(buf)
+
+    def _preadv(self, file: _File, view: memoryview, offset: int) -> int:
+        try:
+            return os.preadv(file.fd, [view], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self._direct_read:
+                raise
+        # Direct I/O refused on read (some file systems take O_DIRECT at open only): the
+        # page cache from now on.
+        log.info("sector cache %s: direct reads refused; reading through the page cache",
+                 self._dir)  # fmt: skip
+        self._direct_read = False
+        fcntl.fcntl(file.fd, fcntl.F_SETFL, fcntl.fcntl(file.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return os.preadv(file.fd, [view], offset)
+
+    def _read_checked(
+        self, checksum: str, verified: _Verified, offset: int, end: int, out: memoryview | None
+    ) -> bytes | None:
+        """Read the blocks that cover ``[offset, end)`` into an aligned buffer, check each
+        against its digest, and copy the range into ``out`` (returning b"") or return it
+        (``out`` None). None if the entry is gone or damaged (then forgotten)."""
+        block = verified.block
+        lo = offset - offset % block
+        hi = min(verified.size, -(-end // block) * block)
+        want = _aligned(hi - lo)
+        buf = self._buffers.take(want)
+        view = memoryview(buf)
+        try:
+            try:
+                file = self._open(checksum)
+                got = self._preadv(file, view[:want], lo)
+            except OSError as e:  # evicted meanwhile, or removed behind our back
+                return self._lost(checksum, e)
+            expected = verified.digests[lo // block * 8 : -(-hi // block) * 8]
+            if got < hi - lo or block_digests(view[: hi - lo], block) != expected:
+                self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
+                return None
+            if out is None:
+                return view[offset - lo : end - lo].tobytes()
+            out[:] = view[offset - lo : end - lo]
+            return b""
+        finally:
+            view.release()
+            self._buffers.give(buf)
+
+    def _read_buffered(
+        self, checksum: str, verified: _Verified, offset: int, out: memoryview
+    ) -> bool:
+        """The blocks that cover the range, through the page cache in one preadv: the range
+        itself into ``out``, the edges of the first and last blocks into scratch; then each
+        block checked where it landed. False if the entry is gone or damaged."""
+        block = verified.block
+        end = offset + len(out)
+        lo = offset - offset % block
+        hi = min(verified.size, -(-end // block) * block)
+        parts: list[memoryview] = [out]
+        if offset > lo:
+            parts.insert(0, memoryview(bytearray(offset - lo)))
+        if hi > end:
+            parts.append(memoryview(bytearray(hi - end)))
+        try:
+            file = self._open(checksum)
+            got = os.preadv(file.buffered(), parts, lo)
+        except OSError as e:  # evicted meanwhile, or removed behind our back
+            self._lost(checksum, e)
+            return False
+        expected = verified.digests[lo // block * 8 : -(-hi // block) * 8]
+        if got != hi - lo or parts_digests(parts, block) != expected:
+            self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
+            return False
+        return True
 
     def _hit(self, checksum: str, verified: _Verified) -> None:
         now = time.monotonic()
@@ -525,7 +678,16 @@ class SectorCache:
             if file is not None:
                 self._files.move_to_end(checksum)
                 return file
-        file = _File(self._path(checksum))
+        path = self._path(checksum)
+        try:
+            file = _File(path, self._direct_read)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self._direct_read:
+                raise
+            log.info("sector cache %s: no direct I/O (%s); reading through the page cache",
+                     self._dir, e)  # fmt: skip
+            self._direct_read = False
+            file = _File(path, False)
         with self._lock:
             file = self._files.setdefault(checksum, file)
             while len(self._files) > self._open_cap:
@@ -551,18 +713,24 @@ class SectorCache:
                 self._files.pop(checksum, None)
 
     def _migrate(self, checksum: str) -> bool:
-        """Take over a ``v1`` (compressed) entry: check it, write it as ``v2``, remove it."""
-        old = self._old / checksum[:2] / checksum
-        try:
-            stored = old.read_bytes()
-        except OSError:
-            return False
-        data = decode_stored(stored, checksum)
-        _unlink(old)
-        if data is None:
-            log.warning("sector cache: v1 entry %s is corrupt; deleted", old)
-            return False
-        return self.put(checksum, data)
+        """Take over an entry of an older layout: check it against its name, write it as
+        this layout, remove the old file."""
+        for layout in OLD_LAYOUTS:
+            old = self.root / layout / checksum[:2] / checksum
+            try:
+                stored = old.read_bytes()
+            except OSError:
+                continue
+            if layout == "v1":  # zstd-compressed
+                data = decode_stored(stored, checksum)
+            else:
+                data = stored if xxhash.xxh3_128_hexdigest(stored) == checksum else None
+            _unlink(old)
+            if data is None:
+                log.warning("sector cache: %s entry %s is corrupt; deleted", layout, old)
+                continue
+            return self.put(checksum, data, verified=True)
+        return False
 
     def _adopt(self, checksum: str) -> bool:
         """Take in an entry that another process put since we loaded. Lock not held."""
@@ -575,6 +743,8 @@ class SectorCache:
                 self._entries[checksum] = size
                 self._usage += size
         return True
+
+    # --- internals: bookkeeping -----------------------------------------------------------
 
     def _touch(self, checksum: str) -> None:
         """Mark an entry most recently used (in memory and in its mtime). Lock held."""
@@ -614,58 +784,51 @@ class SectorCache:
             self.metrics.evictions.inc()
         return freed
 
-    def _write_tmp(self, data: bytes) -> Path:
-        """Write ``data`` to a new file in ``wip/``; returns its path. Not fsynced: see the
-        module's docstring."""
+    # --- internals: writes ----------------------------------------------------------------
+
+    def _write_tmp(self, data: bytes, trailer: bytes) -> Path:
+        """Write an entry file (``data``, zeros to a page boundary, ``trailer``) in
+        ``wip/``; returns its path. Not fsynced: see the module's docstring."""
         fd, name = tempfile.mkstemp(dir=self._wip)
+        size = len(data)
+        start = _aligned(size)
+        total = start + len(trailer)
+        buf = self._buffers.take(total)
+        view = memoryview(buf)
         try:
-            if not self._write_direct(fd, data):
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(data)
+            view[:size] = data
+            view[size:start] = bytes(start - size)  # the buffer is reused: zero the gap
+            view[start:total] = trailer
+            if not self._write_direct(fd, view[:total]):
+                _write_all(fd, view[:total])
         except BaseException:
             _unlink(Path(name))
             raise
         finally:
+            view.release()
+            self._buffers.give(buf)
             os.close(fd)
         return Path(name)
 
-    def _write_direct(self, fd: int, data: bytes) -> bool:
-        """Write ``data`` to the new, empty file ``fd`` with O_DIRECT, through this thread's
-        aligned buffer; False (nothing written) where that cannot be done."""
-        size = len(data)
-        if not self._direct or not size or size % DIRECT_IO_ALIGN:
+    def _write_direct(self, fd: int, view: memoryview) -> bool:
+        """Write ``view`` (page-aligned, whole pages) to the new, empty file ``fd`` with
+        O_DIRECT; False (nothing written) where the file system will not."""
+        if not self._direct_write:
             return False
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        except OSError as e:
-            log.info("sector cache %s: no direct I/O (%s); writing through the page cache",
-                     self._dir, e)  # fmt: skip
-            self._direct = False
-            return False
-        buf: mmap.mmap | None = getattr(self._buffers, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._buffers.buf = mmap.mmap(-1, size)
-        view = memoryview(buf)
-        try:
-            view[:size] = data
-            done = 0
-            while done < size:
-                written = os.write(fd, view[done:size])
-                if written <= 0 or written % DIRECT_IO_ALIGN:
-                    raise OSError(errno.EIO, f"short direct write ({written} bytes)")
-                done += written
+            _write_all(fd, view)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            log.info("sector cache %s: direct write refused (%s); writing through the page "
+            log.info("sector cache %s: direct writes refused (%s); writing through the page "
                      "cache", self._dir, e)  # fmt: skip
-            self._direct = False
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._direct_write = False
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             return False
-        finally:
-            view.release()
         return True
 
     def _load(self) -> None:
@@ -706,6 +869,16 @@ class SectorCache:
         for _, name, size in found:
             self._entries[name] = size
             self._usage += size
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` at the file's current position."""
+    done = 0
+    while done < len(view):
+        written = os.write(fd, view[done:])
+        if written <= 0:
+            raise OSError(errno.EIO, f"short write ({written} bytes)")
+        done += written
 
 
 def open_file_cap() -> int:

@@ -251,13 +251,17 @@ class SectorFetcher:
             self.metrics.cache_hits.inc()
         return data
 
-    def read_cached_into(self, n: int, offset: int, out: memoryview) -> bool:
-        """``read_cached`` into ``out`` (``SectorCache.read_into``): whether the cache held
-        bytes ``[offset, offset+len(out))`` of sector ``n`` and they are now in ``out``."""
+    def read_cached_into(
+        self, n: int, offset: int, out: memoryview, *, sequential: bool = False
+    ) -> bool:
+        """``read_cached`` into ``out`` (``SectorCache.read_into``; ``sequential``: the read
+        is part of a stream this fetcher reads ahead): whether the cache held bytes
+        ``[offset, offset+len(out))`` of sector ``n`` and they are now in ``out``."""
         entry = self.index.sectors[n]
         if entry.is_zero:
             return False
-        if not self.cache.read_into(entry.checksum, offset, out, self.index.sector_span(n)[1]):
+        size = self.index.sector_span(n)[1]
+        if not self.cache.read_into(entry.checksum, offset, out, size, sequential=sequential):
             return False
         self.metrics.cache_hits.inc()
         return True

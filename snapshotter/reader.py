@@ -8,9 +8,10 @@ sectors and serves each piece, straight into its place in the buffer, from, in o
    reader, or by read-ahead or prefetch; ``SectorFetcher.on_fetched``) or are all zeros, so
    the reads that follow a fetch do not even go to the disk cache (which writes entries past
    the page cache);
-2. the node's sector cache, which keeps sectors decoded: a read is a ``preadv`` of the bytes
-   asked for into the buffer, checked block by block where they land
-   (``SectorCache.read_into``);
+2. the node's sector cache, which keeps sectors decoded: a read is one ``preadv`` of the
+   blocks that cover the bytes asked for, checked block by block (``SectorCache.read_into``):
+   past the page cache for a random read, through it, straight into the buffer, for a read
+   of a sequential stream, whose sectors the kernel has been asked to read ahead;
 3. the fetcher, asked for all the remaining sectors in one call (so adjacent misses are
    coalesced into one ranged read).
 
@@ -20,8 +21,11 @@ else in flight. So the reader watches for sequential streams — a few at once, 
 files may be streamed in parallel and the kernel's requests within a window arrive in any
 order — and once a stream has read ``STREAM_MIN_SECTORS`` sectors' worth of bytes in a row, it
 keeps the next ``readahead_bytes`` of the image in flight ahead of it
-(``SectorFetcher.readahead``: queued behind on-demand reads, promoted when a read wants
-them). A stream that goes quiet (pushed out by ``MAX_STREAMS`` newer ones, as random reads
+(``SectorFetcher.readahead``: fetches queued behind on-demand reads, promoted when a read
+wants them; cached sectors read ahead by the kernel). A read that reaches the end of a
+sector in memory puts that sector first in line for eviction: a sequential reader has used
+it up, and the sectors fetched ahead of it, which nobody has read yet, must outlive it. A
+stream that goes quiet (pushed out by ``MAX_STREAMS`` newer ones, as random reads
 do) has its read-ahead that has not started yet cancelled. Random reads never build up a
 stream, so they never trigger read-ahead.
 
@@ -136,20 +140,25 @@ class BlockReader:
         if not numbers:
             return 0
         end = min(offset + length, index.image_size)
-        if self.readahead_sectors:
-            self._follow(offset, end)
+        sequential = bool(self.readahead_sectors) and self._follow(offset, end)
         # Sector n's bytes [lo, hi) go to out[start + lo - offset : start + hi - offset].
         spans = {}
+        ends = set()  # sectors this read reaches the end of
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
+            if end >= start + size:
+                ends.add(n)
         in_memory: dict[int, bytes] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
                 data = self._memory.get(n)
                 if data is not None:
-                    self._memory.move_to_end(n)
+                    # A read that reaches a sector's end has most likely used it up (a
+                    # sequential reader moves on): it goes first when room is needed, before
+                    # the sectors read ahead that nobody has read yet.
+                    self._memory.move_to_end(n, last=n not in ends)
                     in_memory[n] = data
         if in_memory:
             self.metrics.memory_hits.inc(len(in_memory))
@@ -160,7 +169,7 @@ class BlockReader:
             data = in_memory.get(n)
             if data is not None:
                 target[:] = memoryview(data)[lo:hi]
-            elif not self.fetcher.read_cached_into(n, lo, target):
+            elif not self.fetcher.read_cached_into(n, lo, target, sequential=sequential):
                 wanted.append(n)
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -211,9 +220,9 @@ class BlockReader:
 
     # --- sequential read-ahead ------------------------------------------------------------
 
-    def _follow(self, offset: int, end: int) -> None:
+    def _follow(self, offset: int, end: int) -> bool:
         """Account the read [offset, end) to a stream; keep read-ahead going for streams
-        that are sequential."""
+        that are sequential. Returns whether the read is part of one."""
         sector_size = self.index.sector_size
         ahead: tuple[int, int] | None = None
         dropped: list[_Stream] = []
@@ -229,7 +238,8 @@ class BlockReader:
             self._streams.append(stream)
             stream.seen += end - offset
             stream.end = max(stream.end, end)
-            if stream.seen >= STREAM_MIN_SECTORS * sector_size:
+            sequential = stream.seen >= STREAM_MIN_SECTORS * sector_size
+            if sequential:
                 first = (stream.end - 1) // sector_size + 1
                 last = min(self.index.sector_count, first + self.readahead_sectors)
                 # Ask again once a quarter of the window has been consumed, for whole runs.
@@ -243,3 +253,4 @@ class BlockReader:
                 self.fetcher.cancel_readahead(range(old.ahead_from, old.ahead_to))
         if ahead is not None and ahead[1] > ahead[0]:
             self.fetcher.readahead(range(*ahead))
+        return sequential

@@ -16,9 +16,15 @@ import zstandard
 from imagetool.errors import StoreError
 from imagetool.format import FileExtent, Index, Sector, sector_checksum, sha256_digest
 from imagetool.stores.base import Store
+from snapshotter.cache import LAYOUT_VERSION
 from snapshotter.fetcher import FetchConfig
 
 SECTOR = 64 << 10
+
+
+def entry_path(root: Path, checksum: str) -> Path:
+    """Where a ``SectorCache`` at ``root`` keeps the entry ``checksum``."""
+    return root / LAYOUT_VERSION / checksum[:2] / checksum
 
 
 @dataclass

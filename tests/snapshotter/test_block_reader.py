@@ -142,6 +142,29 @@ def test_a_sequential_reader_gets_sectors_fetched_ahead(
     assert all(c == 1 for c in counts.values()), counts  # nothing fetched twice
 
 
+def test_a_sector_read_to_its_end_is_evicted_before_unread_ones(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    a, b, c = [n for n, s in enumerate(image.index.sectors) if not s.is_zero][:3]
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=2, readahead_bytes=0)
+
+    def read(n: int, at: int, length: int = 4096) -> None:
+        offset = n * SECTOR + at
+        assert reader.read(offset, length) == image.data[offset : offset + length]
+
+    read(a, 0)
+    read(b, 0)  # memory: a, b (b unread but for its start, as read-ahead leaves it)
+    read(a, 4096)  # a is the most recently used...
+    read(a, SECTOR - 4096)  # ...until a read reaches its end: used up, it goes first
+    read(c, 0)  # room for c
+    hits = fetcher.metrics.memory_hits.value
+    read(b, 8192)
+    assert fetcher.metrics.memory_hits.value == hits + 1  # b stayed
+    read(a, 0)
+    assert fetcher.metrics.memory_hits.value == hits + 1  # a went
+
+
 def test_read_ahead_stays_within_the_memory_lru(image: Image, make_fetcher: MakeFetcher) -> None:
     # what it fetches is kept in memory; further ahead, it would be pushed out unread
     reader = BlockReader(image.index, make_fetcher(), memory_sectors=3, readahead_bytes=8 * SECTOR)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import support
-from datapath_support import set_mtime
+from datapath_support import entry_path, set_mtime
 
 from imagetool.format import sector_checksum
-from snapshotter.cache import SectorCache
+from snapshotter.cache import LAYOUT_VERSION, SectorCache, entry_file_size
 
 
 def entry(data: bytes) -> tuple[str, bytes]:
@@ -26,6 +26,11 @@ def random_entry(rng: random.Random, size: int = 10_000) -> tuple[str, bytes]:
     return entry(rng.randbytes(size))
 
 
+def on_disk(stored: bytes) -> int:
+    """The entry file's size: what an entry holding ``stored`` counts against the cap."""
+    return entry_file_size(len(stored))
+
+
 def test_put_get_roundtrip_and_miss(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     key, stored = entry(b"hello" * 1000)
@@ -33,10 +38,11 @@ def test_put_get_roundtrip_and_miss(tmp_path: Path) -> None:
     assert cache.put(key, stored)
     assert cache.get(key) == stored == b"hello" * 1000
     assert cache.read(key, 7, 11) == stored[7:18]
-    assert key in cache and len(cache) == 1 and cache.usage() == len(stored)
-    path = tmp_path / "v2" / key[:2] / key
-    assert path.read_bytes() == stored
-    assert not list((tmp_path / "v2" / "wip").iterdir())
+    path = entry_path(tmp_path, key)
+    assert key in cache and len(cache) == 1 and cache.usage() == path.stat().st_size
+    assert path.stat().st_size == on_disk(stored) and path.stat().st_size % 4096 == 0
+    assert path.read_bytes()[: len(stored)] == stored  # the sector's bytes, then the trailer
+    assert not list((tmp_path / LAYOUT_VERSION / "wip").iterdir())
     assert cache.metrics.hits.value == 2 and cache.metrics.misses.value == 1
 
 
@@ -55,7 +61,7 @@ def test_corrupt_entry_is_a_logged_miss_and_deleted(
     cache = SectorCache(tmp_path, 1 << 20)
     key, stored = entry(b"payload" * 500)
     cache.put(key, stored)
-    path = tmp_path / "v2" / key[:2] / key
+    path = entry_path(tmp_path, key)
     path.write_bytes(stored[:-1] + bytes([stored[-1] ^ 1]))
     assert cache.get(key) is None
     assert "corrupt" in caplog.text
@@ -70,7 +76,7 @@ def test_corrupt_entry_is_a_logged_miss_and_deleted(
 def test_lru_eviction_under_the_cap(tmp_path: Path) -> None:
     rng = random.Random(1)
     entries = [random_entry(rng) for _ in range(4)]
-    size = len(entries[0][1])
+    size = on_disk(entries[0][1])
     cache = SectorCache(tmp_path, 3 * size + 100)
     for key, stored in entries[:3]:
         assert cache.put(key, stored)
@@ -78,7 +84,7 @@ def test_lru_eviction_under_the_cap(tmp_path: Path) -> None:
     assert cache.put(*entries[3])
     assert cache.entries() == [entries[2][0], entries[0][0], entries[3][0]]
     assert cache.get(entries[1][0]) is None  # the least recently used went
-    assert not (tmp_path / "v2" / entries[1][0][:2] / entries[1][0]).exists()
+    assert not (entry_path(tmp_path, entries[1][0])).exists()
     assert cache.usage() <= cache.max_bytes
     assert cache.metrics.evictions.value == 1
 
@@ -93,7 +99,7 @@ def test_entry_bigger_than_the_cache_is_not_cached(tmp_path: Path) -> None:
 def test_pinned_entries_are_not_evicted(tmp_path: Path) -> None:
     rng = random.Random(3)
     a, b, c = (random_entry(rng) for _ in range(3))
-    cache = SectorCache(tmp_path, 2 * len(a[1]) + 100)
+    cache = SectorCache(tmp_path, 2 * on_disk(a[1]) + 100)
     cache.put(*a)
     with cache.pin([a[0], b[0]]):
         cache.put(*b)  # pinned before it was even there
@@ -111,18 +117,18 @@ def test_restart_reuses_entries_in_lru_order(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     for i, (key, stored) in enumerate(entries):
         cache.put(key, stored)
-        set_mtime(tmp_path / "v2" / key[:2] / key, 1_000_000 + (2 - i))  # 0 newest
-    (tmp_path / "v2" / "wip" / "leftover").write_bytes(b"half a sector")  # from a crash
-    set_mtime(tmp_path / "v2" / "wip" / "leftover", 1_000_000)
-    (tmp_path / "v2" / "wip" / "busy").write_bytes(b"another process is writing this")
-    (tmp_path / "v2" / "ab").mkdir(exist_ok=True)
-    (tmp_path / "v2" / "ab" / "not-an-entry").write_bytes(b"?")
+        set_mtime(entry_path(tmp_path, key), 1_000_000 + (2 - i))  # 0 newest
+    (tmp_path / LAYOUT_VERSION / "wip" / "leftover").write_bytes(b"half a sector")  # from a crash
+    set_mtime(tmp_path / LAYOUT_VERSION / "wip" / "leftover", 1_000_000)
+    (tmp_path / LAYOUT_VERSION / "wip" / "busy").write_bytes(b"another process is writing this")
+    (tmp_path / LAYOUT_VERSION / "ab").mkdir(exist_ok=True)
+    (tmp_path / LAYOUT_VERSION / "ab" / "not-an-entry").write_bytes(b"?")
 
     reopened = SectorCache(tmp_path, 1 << 20)
     assert reopened.entries() == [entries[2][0], entries[1][0], entries[0][0]]
-    assert reopened.usage() == sum(len(s) for _, s in entries)
+    assert reopened.usage() == sum(on_disk(s) for _, s in entries)
     assert reopened.get(entries[1][0]) == entries[1][1]
-    assert [p.name for p in (tmp_path / "v2" / "wip").iterdir()] == ["busy"]
+    assert [p.name for p in (tmp_path / LAYOUT_VERSION / "wip").iterdir()] == ["busy"]
     # the hit touched the file, so the order survives another restart
     again = SectorCache(tmp_path, 1 << 20)
     assert again.entries()[-1] == entries[1][0]
@@ -134,8 +140,8 @@ def test_restart_with_a_smaller_cap_evicts_down(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     for i, (key, stored) in enumerate(entries):
         cache.put(key, stored)
-        set_mtime(tmp_path / "v2" / key[:2] / key, 1_000_000 + i)
-    small = SectorCache(tmp_path, 2 * len(entries[0][1]) + 10)
+        set_mtime(entry_path(tmp_path, key), 1_000_000 + i)
+    small = SectorCache(tmp_path, 2 * on_disk(entries[0][1]) + 10)
     assert small.entries() == [entries[2][0], entries[3][0]]
 
 
@@ -145,7 +151,7 @@ def test_processes_sharing_a_directory_see_each_others_entries(tmp_path: Path) -
     one, two = SectorCache(tmp_path, 1 << 20), SectorCache(tmp_path, 1 << 20)
     one.put(*a)
     assert a[0] in two and two.get(a[0]) == a[1]  # found on disk, adopted
-    assert two.usage() == len(a[1])
+    assert two.usage() == on_disk(a[1])
     two.put(*b)
     assert one.get(b[0]) == b[1]
     two.discard(a[0])  # "evicted" by the other process
@@ -158,9 +164,9 @@ def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
     cache = SectorCache(tmp_path, 1 << 20)
     cache.put(*a)
     cache.put(*b)
-    (tmp_path / "v2" / a[0][:2] / a[0]).unlink()  # removed behind the cache's back
+    (entry_path(tmp_path, a[0])).unlink()  # removed behind the cache's back
     assert cache.gc() == 0
-    assert cache.entries() == [b[0]] and cache.usage() == len(b[1])
+    assert cache.entries() == [b[0]] and cache.usage() == on_disk(b[1])
     cache.clear()
     assert len(cache) == 0 and cache.usage() == 0
 
@@ -168,7 +174,7 @@ def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
 def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
     rng = random.Random(7)
     entries = [random_entry(rng, 5000) for _ in range(40)]
-    cache = SectorCache(tmp_path, 20 * len(entries[0][1]))
+    cache = SectorCache(tmp_path, 20 * on_disk(entries[0][1]))
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -189,8 +195,8 @@ def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
         t.join()
     assert not errors
     assert cache.usage() <= cache.max_bytes
-    on_disk = sum(p.stat().st_size for p in (tmp_path / "v2").glob("??/*"))
-    assert on_disk == cache.usage()
+    files = sum(p.stat().st_size for p in (tmp_path / LAYOUT_VERSION).glob("??/*"))
+    assert files == cache.usage()
     assert cache.metrics.corrupt.value == 0
 
 
@@ -199,11 +205,11 @@ class FlakyDiskCache(SectorCache):
 
     fail = 1
 
-    def _write_tmp(self, stored: bytes) -> Path:
+    def _write_tmp(self, data: bytes, trailer: bytes) -> Path:
         if self.fail:
             self.fail -= 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        return super()._write_tmp(stored)
+        return super()._write_tmp(data, trailer)
 
 
 def test_disk_full_evicts_and_retries(tmp_path: Path) -> None:
@@ -243,7 +249,7 @@ def test_real_full_filesystem_evicts_and_never_fails(tiny_fs: Path) -> None:
     assert cache.metrics.evictions.value > 0
     assert cache.usage() < 1 << 20
     assert cache.get(entries[-1][0]) == entries[-1][1]
-    assert not list((tiny_fs / "v2" / "wip").iterdir())
+    assert not list((tiny_fs / LAYOUT_VERSION / "wip").iterdir())
 
 
 def test_range_reads_are_checked_against_what_was_verified(
@@ -258,7 +264,7 @@ def test_range_reads_are_checked_against_what_was_verified(
     assert cache.read(key, 0, 10, size=len(data) + 1) is None  # not the sector asked for
     # damaged in place after the check (same size, same mtime): caught by the read that
     # would have served it, never returned
-    path = tmp_path / "v2" / key[:2] / key
+    path = entry_path(tmp_path, key)
     st = path.stat()
     with open(path, "r+b") as f:
         f.seek(200_000)
@@ -270,20 +276,56 @@ def test_range_reads_are_checked_against_what_was_verified(
     assert cache.metrics.corrupt.value == 1
 
 
-def test_first_use_in_a_process_checks_the_whole_entry(tmp_path: Path) -> None:
-    data = random.Random(12).randbytes(200_000)
+def _rchar() -> int:
+    """Bytes this process has read through read(2)-like calls so far."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_first_use_in_a_process_checks_the_trailer_and_reads_only_what_it_serves(
+    tmp_path: Path,
+) -> None:
+    data = random.Random(12).randbytes(1 << 20)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 4 << 20).put(key, data)
+    path = entry_path(tmp_path, key)
+    with open(path, "r+b") as f:  # damage far from the range read first
+        f.seek(900_000)
+        f.write(b"\x00\x01")
+    cache = SectorCache(tmp_path, 4 << 20)  # another process: nothing checked yet
+    before = _rchar()
+    assert cache.read(key, 100, 1000, size=len(data)) == data[100:1100]
+    # the footer page and one 16 KiB block (and this test's read of /proc), not 1 MiB
+    assert _rchar() - before < 4096 + 16384 + 1024
+    assert cache.read(key, 899_000, 2000) is None  # the damaged block is never served
+    assert not path.exists() and cache.metrics.corrupt.value == 1
+
+
+@pytest.mark.parametrize("damage", ["trailer", "truncated", "renamed", "no-trailer"])
+def test_an_entry_whose_trailer_does_not_check_out_is_corrupt(tmp_path: Path, damage: str) -> None:
+    data = random.Random(13).randbytes(100_000)
     key = sector_checksum(data)
     SectorCache(tmp_path, 1 << 20).put(key, data)
-    path = tmp_path / "v2" / key[:2] / key
-    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # damage far from the range read
+    path = entry_path(tmp_path, key)
+    raw = path.read_bytes()
+    if damage == "trailer":  # one digest changed
+        spot = entry_file_size(len(data)) - 4096
+        path.write_bytes(raw[:spot] + bytes([raw[spot] ^ 1]) + raw[spot + 1 :])
+    elif damage == "truncated":
+        path.write_bytes(raw[:65536])
+    elif damage == "renamed":  # another entry's whole file under this name
+        other = random.Random(14).randbytes(100_000)
+        okey = sector_checksum(other)
+        SectorCache(tmp_path, 1 << 20).put(okey, other)
+        os.replace(entry_path(tmp_path, okey), path)
+    else:  # a sector's bytes alone, as layout v2 kept them
+        path.write_bytes(data)
     cache = SectorCache(tmp_path, 1 << 20)
     assert cache.read(key, 0, 100) is None
     assert not path.exists() and cache.metrics.corrupt.value == 1
-    truncated = random.Random(13).randbytes(100_000)
-    tkey = sector_checksum(truncated)
-    SectorCache(tmp_path, 1 << 20).put(tkey, truncated)
-    (tmp_path / "v2" / tkey[:2] / tkey).write_bytes(truncated[:50_000])
-    assert SectorCache(tmp_path, 1 << 20).read(tkey, 0, 100) is None
+    assert key not in cache
 
 
 def test_put_refuses_bytes_that_are_not_the_named_sector(tmp_path: Path) -> None:
@@ -307,11 +349,29 @@ def test_v1_entries_are_taken_over(tmp_path: Path) -> None:
     (tmp_path / "v1" / bad_key[:2] / bad_key).write_bytes(zstandard.ZstdCompressor().compress(b"x"))
     cache = SectorCache(tmp_path, 1 << 20)
     assert cache.read(key, 10, 20) == data[10:30]
-    assert not old.exists() and (tmp_path / "v2" / key[:2] / key).read_bytes() == data
+    assert not old.exists() and entry_path(tmp_path, key).read_bytes()[: len(data)] == data
     assert cache.get(bad_key) is None  # a v1 entry that does not check out is dropped
     assert not (tmp_path / "v1" / bad_key[:2] / bad_key).exists()
     cache.gc()
     assert not (tmp_path / "v1").exists()
+
+
+def test_v2_entries_are_taken_over(tmp_path: Path) -> None:
+    data = random.Random(16).randbytes(70_000)
+    key = sector_checksum(data)
+    old = tmp_path / "v2" / key[:2] / key
+    old.parent.mkdir(parents=True)
+    old.write_bytes(data)  # layout v2: the sector's bytes alone
+    bad_key = sector_checksum(b"something else")
+    (tmp_path / "v2" / bad_key[:2]).mkdir(exist_ok=True)
+    (tmp_path / "v2" / bad_key[:2] / bad_key).write_bytes(data)  # not what its name says
+    cache = SectorCache(tmp_path, 1 << 20)
+    assert cache.read(key, 10, 20) == data[10:30]
+    assert not old.exists() and entry_path(tmp_path, key).read_bytes()[: len(data)] == data
+    assert cache.get(bad_key) is None and not (tmp_path / "v2" / bad_key[:2] / bad_key).exists()
+    assert SectorCache(tmp_path, 1 << 20).get(key) == data  # a v3 entry now
+    cache.gc()
+    assert not (tmp_path / "v2").exists()
 
 
 def _fs_type(path: Path) -> str:
@@ -320,22 +380,23 @@ def _fs_type(path: Path) -> str:
     ).stdout.strip()
 
 
-def test_whole_block_entries_are_written_past_the_page_cache(tmp_path: Path) -> None:
+def test_entries_are_written_and_read_past_the_page_cache(tmp_path: Path) -> None:
     rng = random.Random(10)
     cache = SectorCache(tmp_path, 16 << 20)
-    aligned = random_entry(rng, 1 << 20)  # a multiple of 4 KiB: direct I/O
-    odd = random_entry(rng, 10_000)  # not: through the page cache
+    aligned = random_entry(rng, 1 << 20)
+    odd = random_entry(rng, 10_000)  # padded to whole pages on disk
     assert cache.put(*aligned) and cache.put(*odd)
-    if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):  # all of it is page cache there
-        fd = os.open(tmp_path / "v2" / aligned[0][:2] / aligned[0], os.O_RDONLY)
-        try:
-            with pytest.raises(BlockingIOError):  # not in the page cache
-                os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
-        finally:
-            os.close(fd)
     for key, stored in (aligned, odd):
-        assert (tmp_path / "v2" / key[:2] / key).read_bytes() == stored
-        assert SectorCache(tmp_path, 16 << 20).get(key) == stored  # checked in full
+        assert SectorCache(tmp_path, 16 << 20).get(key) == stored  # a new process reads it
+        assert cache.read(key, 5000, 3000) == stored[5000:8000]
+        if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):  # all of it is page cache there
+            fd = os.open(entry_path(tmp_path, key), os.O_RDONLY)
+            try:
+                with pytest.raises(BlockingIOError):  # not in the page cache
+                    os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            finally:
+                os.close(fd)
+        assert entry_path(tmp_path, key).read_bytes()[: len(stored)] == stored
 
 
 @pytest.mark.root
@@ -346,4 +407,4 @@ def test_direct_writes_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) 
     results = [cache.put(key, stored) for key, stored in entries]
     assert results[-1] and cache.metrics.evictions.value > 0
     assert cache.get(entries[-1][0]) == entries[-1][1]
-    assert not list((tiny_fs / "v2" / "wip").iterdir())
+    assert not list((tiny_fs / LAYOUT_VERSION / "wip").iterdir())

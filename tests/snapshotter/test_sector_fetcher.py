@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from datapath_support import FAST, Image, wait_until
+from datapath_support import FAST, Image, entry_path, wait_until
 
 from imagetool.format import Index, blob_range
 from imagetool.stores.dir import DirStore
@@ -218,7 +218,7 @@ def test_corrupt_cache_entry_is_refetched(
     fetcher = make_fetcher()
     fetcher.get([7])
     key = image.index.sectors[7].checksum
-    path = cache.root / "v2" / key[:2] / key
+    path = entry_path(cache.root, key)
     path.write_bytes(b"\0" * path.stat().st_size)
     store.requests.clear()
     assert fetcher.get([7]) == {7: image.sector(7)}
