@@ -258,13 +258,22 @@ class _Buffers:
         return mmap.mmap(-1, grain, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def give(self, buf: mmap.mmap) -> None:
+        """Keep ``buf`` for reuse; over the cap, unmap buffers of the sizes that hold the
+        most bytes first (the workload changed: a cold pass's 4 MiB writes must not keep
+        the random reads that follow from reusing theirs), this size last."""
         grain = len(buf)
+        unmapped = []
         with self._lock:
-            if self._kept + grain <= self._keep:
-                self._free.setdefault(grain, []).append(buf)
-                self._kept += grain
-                return
-        buf.close()
+            self._free.setdefault(grain, []).append(buf)
+            self._kept += grain
+            while self._kept > self._keep:
+                size = max(self._free, key=lambda g: (g != grain, g * len(self._free[g])))
+                unmapped.append(self._free[size].pop())
+                if not self._free[size]:
+                    del self._free[size]
+                self._kept -= size
+        for old in unmapped:
+            old.close()
 
 
 class SectorCache:

@@ -408,3 +408,21 @@ def test_direct_writes_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) 
     assert results[-1] and cache.metrics.evictions.value > 0
     assert cache.get(entries[-1][0]) == entries[-1][1]
     assert not list((tiny_fs / LAYOUT_VERSION / "wip").iterdir())
+
+
+def test_aligned_buffers_are_reused_and_the_sizes_in_use_keep_their_room() -> None:
+    from snapshotter.cache import POOL_GRAIN, _Buffers
+
+    pool = _Buffers(1 << 20)
+    big = [pool.take(400 << 10) for _ in range(3)]  # e.g. a cold pass's entry writes
+    for buf in big:
+        pool.give(buf)
+    again = pool.take(400 << 10)
+    assert again in big and len(again) % POOL_GRAIN == 0
+    pool.give(again)
+    small = [pool.take(100 << 10) for _ in range(4)]  # then random reads
+    for buf in small:
+        assert memoryview(buf).nbytes >= 100 << 10
+        pool.give(buf)
+    # over the cap, the big ones were unmapped first: all four small ones are kept
+    assert [pool.take(100 << 10) for _ in range(4)] == small[::-1]
