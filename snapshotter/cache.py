@@ -595,14 +595,18 @@ class SectorCache:
         try:
             return os.preadv(file.fd, [view], offset)
         except OSError as e:
-            if e.errno != errno.EINVAL or not self._direct_read:
+            if e.errno != errno.EINVAL:
+                raise
+            flags = fcntl.fcntl(file.fd, fcntl.F_GETFL)
+            if not flags & os.O_DIRECT:
                 raise
         # Direct I/O refused on read (some file systems take O_DIRECT at open only): the
         # page cache from now on.
-        log.info("sector cache %s: direct reads refused; reading through the page cache",
-                 self._dir)  # fmt: skip
-        self._direct_read = False
-        fcntl.fcntl(file.fd, fcntl.F_SETFL, fcntl.fcntl(file.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        if self._direct_read:
+            log.info("sector cache %s: direct reads refused; reading through the page cache",
+                     self._dir)  # fmt: skip
+            self._direct_read = False
+        fcntl.fcntl(file.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
         return os.preadv(file.fd, [view], offset)
 
     def _read_checked(

@@ -61,3 +61,28 @@ def test_damage_after_the_check_is_caught_by_the_read_into_the_buffer(
     cache.put(key, data)
     assert cache.read_into(key, 199_000, memoryview(buf)[:1001])
     assert bytes(buf[:1001]) == data[199_000:200_001]
+
+
+def test_a_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+    import os
+
+    data = random.Random(5).randbytes(200_000)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 1 << 20).put(key, data)
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")  # as a file system without direct I/O
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    cache = SectorCache(tmp_path, 1 << 20)
+    buf = bytearray(5000)
+    assert cache.read_into(key, 1000, memoryview(buf))
+    assert bytes(buf) == data[1000:6000]
+    assert cache.read(key, 150_000, 10) == data[150_000:150_010]
+    assert cache.metrics.corrupt.value == 0 and cache.metrics.misses.value == 0
