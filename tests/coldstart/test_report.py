@@ -226,3 +226,18 @@ def test_targets_need_the_paired_rounds_too():
     assert [x["met"] for x in t[:2]] == [False, False]
     assert "paired by round 2.8x (5.0x, 2.5x, 2.8x)" in t[0]["measured"]
     assert "paired by round +10.00s (+1.00s, +10.00s, +10.00s)" in t[1]["measured"]
+
+
+def test_a_fetch_the_link_cannot_carry_in_time_is_named():
+    scen = {
+        "full-pull": _scen(90.0, 5_700_000_000),
+        "lazy-profile": _scen(50.0, 5_000_000_000),
+        "local": _scen(10.0, 0, 5_600_000_000),
+    }
+    notes = run.explain(scen, rate_mbit=1000.0)
+    link = [n for n in notes if n.startswith("The link bounds the speedup")]
+    assert link and "40.0 s at 1000 Mbit/s" in link[0] and "= 18.0 s" in link[0]
+    assert "5,600.0 MB to start" in link[0]
+    # a fetch the link carries in time: no such note
+    scen["lazy-profile"] = _scen(12.0, 500_000_000)
+    assert not any(n.startswith("The link") for n in run.explain(scen, rate_mbit=1000.0))
