@@ -105,8 +105,9 @@ _FOOTER = struct.Struct("<8sIIQQ16sQ")
 TOUCH_INTERVAL = 10.0
 # Entry files kept open for reads: reopening one per read would cost a path lookup. Random
 # reads over an image touch every entry in turn, so the cap covers a 16 GiB image of 4 MiB
-# sectors; it is lowered to a quarter of the process's descriptor limit (``open_file_cap``),
-# so that the cache never starves the rest of the process of descriptors.
+# sectors; it is lowered to an eighth of the process's descriptor limit (``open_file_cap``):
+# an open entry holds up to two descriptors (direct and buffered reads), and the cache must
+# never take more than a quarter of the process's.
 OPEN_FILES = 4096
 # Aligned buffers kept for reuse, in bytes: enough for the reads and writes a mount server
 # has in flight at once (FUSE reads of up to 1 MiB, the fetcher's 4 MiB entries). Mapping and
@@ -895,12 +896,12 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def open_file_cap() -> int:
-    """How many entry files a cache keeps open: ``OPEN_FILES``, or a quarter of this
-    process's descriptor limit if that is lower."""
+    """How many entry files a cache keeps open: ``OPEN_FILES``, or an eighth of this
+    process's descriptor limit if that is lower (two descriptors each at most)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return OPEN_FILES
-    return max(16, min(OPEN_FILES, soft // 4))
+    return max(16, min(OPEN_FILES, soft // 8))
 
 
 def _unlink(path: Path) -> None:

@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -406,6 +407,7 @@ def run(
     """Run a mount server in this process until it is unmounted; returns an exit code.
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
+    raise_open_file_limit()
     server = MountServer(ref, mountpoint, config, launch, sent_at)
     # Installed before libfuse starts, so libfuse leaves these signals to us.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -423,6 +425,22 @@ def run(
         return 0
     finally:
         server.close()
+
+
+# Descriptors a mount server asks for at most: the kernel's default cap on any process's.
+MAX_OPEN_FILES = 1 << 20
+
+
+def raise_open_file_limit() -> None:
+    """Take the hard limit on open descriptors as this process's soft one (as Go's runtime
+    does for every program): a mount server keeps many cache entry files open
+    (``snapshotter.cache.open_file_cap``), and a login shell's soft limit of 1024 would have
+    it reopen an entry on most random reads."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") -> int:
