@@ -25,11 +25,14 @@ served it. A process never has to read a whole 4 MiB entry to serve 128 KiB of i
 in full first: a random reader of a warm cache paid 32x its bytes). An entry that fails a
 check is a logged miss and is deleted; it is never returned.
 
-Direct I/O. Entries are read and written with ``O_DIRECT`` (through page-aligned buffers)
-where the file system allows it (not tmpfs): the kernel caches the image's pages once, in
-the erofs mount above the FUSE file; a second copy of the same bytes in the page cache of
-the entry files would double the memory a warm image takes and cost a page-cache fill per
-read (on a random read of a warm cache that fill was a fifth of the mount server's CPU).
+Direct I/O. Entries are written, and read for random reads, with ``O_DIRECT`` (through
+reused page-aligned buffers) where the file system allows it (not tmpfs): the kernel caches
+the image's pages once, in the erofs mount above the FUSE file; a second copy of the same
+bytes in the page cache of the entry files would double the memory a warm image takes and
+cost a page-cache fill per read (on a random read of a warm cache that fill was a fifth of
+the mount server's CPU). Reads of a sequential stream (``read_into(..., sequential=True)``)
+go through the page cache, which ``will_need`` has the kernel fill ahead of them: measured,
+that beat reading whole entries ahead with direct I/O.
 
 Layout under ``root`` (the version lets a later layout live beside this one)::
 
