@@ -52,7 +52,7 @@ from imagetool.errors import FormatError
 from imagetool.format import Index
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import Store
-from snapshotter import fuse, indexcache, kernel, state
+from snapshotter import fuse, indexcache, kernel, memory, state
 from snapshotter.cache import SectorCache
 from snapshotter.config import MountConfig
 from snapshotter.control import ControlServer
@@ -253,12 +253,17 @@ class MountServer:
         assert self.fetcher is not None and self._fuse_thread is not None
         prefetch = self.config.prefetch_config()
         self.prefetcher = Prefetcher.for_mount(self.fetcher, prefetch).start()
+        metrics = self.fetcher.metrics
+        trimmer = memory.Trimmer()
         while self._fuse_thread.is_alive():
             if self.stop_requested.wait(0.2):
                 log.info("stopping: unmounting %s", self.mountpoint)
                 self.unmount()
                 self._fuse_thread.join(10)
                 break
+            work = metrics.read_bytes.value + metrics.bytes_fetched.value
+            if trimmer.due(work, time.monotonic()):
+                memory.trim()
         log.info("FUSE file system of %s is gone; exiting", self.mountpoint)
 
     def unmount(self) -> None:
@@ -408,6 +413,7 @@ def run(
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
     raise_open_file_limit()
+    memory.limit_arenas()
     server = MountServer(ref, mountpoint, config, launch, sent_at)
     # Installed before libfuse starts, so libfuse leaves these signals to us.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
