@@ -18,6 +18,11 @@ medians over rounds, so every target sees the same machine state on average:
   rate regardless of the target. Added p50/p99 = target minus direct (straight to one
   backend), per round, then the median over rounds.
 * **balance**: per-backend request counts (``/admin/stats``) during each run, max/mean.
+* **the machine's floor** (``wakeup.py``): a pipe round trip between two processes on the
+  load CPU, and between the load CPU and the proxy CPU, before and after the rounds. A
+  proxied request crosses between the two CPUs four times (two round trips) that a direct
+  one does not; on a virtual machine a cross-CPU wake-up goes through the hypervisor, and
+  its tail is in every proxy's added p99 whatever the proxy does.
 
 The direct baseline uses a port of its own (same process, same distribution), not one of the
 proxies' backends: the router would otherwise see the baseline's load in its load reports.
@@ -48,6 +53,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import wakeup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -318,6 +326,8 @@ def main() -> None:
         "targets": targets,
         "runs": {"max": {t: [] for t in targets}, "half": {t: [] for t in targets}},
     }
+    cpu_pair = (int(lcpu.split(",")[0]), int(pcpu.split(",")[0])) if lcpu and pcpu else (0, 0)
+    results["wakeup"] = {"start": wakeup.measure(*cpu_pair)}
     try:
         for p in [*ports, direct_port]:
             wait_port(p)
@@ -356,6 +366,7 @@ def main() -> None:
             stop(p)
         stop(bproc)
         shutil.rmtree(tmp, ignore_errors=True)
+    results["wakeup"]["end"] = wakeup.measure(*cpu_pair)
     summarize(results, a)
 
 
@@ -433,6 +444,24 @@ def summarize(results: dict, a) -> None:
             f"| {t} | {s['half_rps']:.0f} | {s['half_p50_ms']:.2f} | {s['half_p99_ms']:.2f} | "
             f"{s['added_p50_ms']:.2f} | {s['added_p99_ms']:.2f} | {s['balance_half']:.3f} |"
         )
+    w = results.get("wakeup")
+    if w:
+
+        def trip(kind: str) -> str:
+            return " / ".join(
+                f"{w[when][kind]['p50_us']:.0f}, {w[when][kind]['p99_us']:.0f}, "
+                f"{w[when][kind]['p999_us']:.0f}"
+                for when in ("start", "end")
+                if when in w
+            )
+
+        lines += [
+            "",
+            "**The machine's floor** (`wakeup.py`: a pipe round trip between two processes, µs, "
+            "p50, p99, p99.9; before / after the rounds): on the load CPU alone "
+            f"{trip('same_cpu')}; between the load CPU and the proxy CPU {trip('cross_cpu')}. "
+            "A proxied request makes two such cross-CPU round trips more than a direct one.",
+        ]
     (out / "live.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
