@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import support
-from datapath_support import entry_path, set_mtime
+from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
 from snapshotter.cache import LAYOUT_VERSION, SectorCache, entry_file_size
@@ -426,3 +426,29 @@ def test_aligned_buffers_are_reused_and_the_sizes_in_use_keep_their_room() -> No
         pool.give(buf)
     # over the cap, the big ones were unmapped first: all four small ones are kept
     assert [pool.take(100 << 10) for _ in range(4)] == small[::-1]
+
+
+def test_will_need_has_the_kernel_read_an_entry_ahead(tmp_path: Path) -> None:
+    data = random.Random(17).randbytes(1 << 20)
+    key = sector_checksum(data)
+    cache = SectorCache(tmp_path, 4 << 20)
+    cache.put(key, data)  # written past the page cache
+    if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):  # all of it is page cache there
+        fd = os.open(entry_path(tmp_path, key), os.O_RDONLY)
+        try:
+            assert not _cached(fd, 512 << 10)
+            cache.will_need(key)
+            wait_until(lambda: _cached(fd, 512 << 10), timeout=10)
+        finally:
+            os.close(fd)
+    else:
+        cache.will_need(key)
+    buf = bytearray(1 << 20)
+    assert cache.read_into(key, 0, memoryview(buf), sequential=True) and bytes(buf) == data
+
+
+def _cached(fd: int, offset: int) -> bool:
+    try:
+        return os.preadv(fd, [bytearray(4096)], offset, os.RWF_NOWAIT) == 4096
+    except BlockingIOError:
+        return False
