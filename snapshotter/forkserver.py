@@ -376,7 +376,11 @@ def _handle(listener: socket.socket, conn: socket.socket) -> str | None:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return str(request["mount"].get("ref", "")) if pid > 0 else None
+    if pid <= 0:
+        return None
+    mount = request.get("mount") if isinstance(request, dict) else None
+    ref = mount.get("ref") if isinstance(mount, dict) else None
+    return ref if isinstance(ref, str) else None
 
 
 def _child(
