@@ -240,6 +240,14 @@ class _Verified:
         self.digests = digests
         self.touched = touched
 
+    def covering(self, offset: int, end: int) -> tuple[int, int, bytes]:
+        """The blocks that cover bytes ``[offset, end)``: their span ``[lo, hi)`` in the
+        entry and their digests."""
+        block = self.block
+        lo = offset - offset % block
+        hi = min(self.size, -(-end // block) * block)
+        return lo, hi, self.digests[lo // block * 8 : -(-hi // block) * 8]
+
 
 class _Buffers:
     """Page-aligned buffers (private anonymous mappings) for direct I/O, reused. Not tied to
@@ -619,9 +627,7 @@ class SectorCache:
         """Read the blocks that cover ``[offset, end)`` into an aligned buffer, check each
         against its digest, and copy the range into ``out`` (returning b"") or return it
         (``out`` None). None if the entry is gone or damaged (then forgotten)."""
-        block = verified.block
-        lo = offset - offset % block
-        hi = min(verified.size, -(-end // block) * block)
+        lo, hi, expected = verified.covering(offset, end)
         want = _aligned(hi - lo)
         buf = self._buffers.take(want)
         view = memoryview(buf)
@@ -631,8 +637,7 @@ class SectorCache:
                 got = self._preadv(file, view[:want], lo)
             except OSError as e:  # evicted meanwhile, or removed behind our back
                 return self._lost(checksum, e)
-            expected = verified.digests[lo // block * 8 : -(-hi // block) * 8]
-            if got < hi - lo or block_digests(view[: hi - lo], block) != expected:
+            if got < hi - lo or block_digests(view[: hi - lo], verified.block) != expected:
                 self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
                 return None
             if out is None:
@@ -649,10 +654,8 @@ class SectorCache:
         """The blocks that cover the range, through the page cache in one preadv: the range
         itself into ``out``, the edges of the first and last blocks into scratch; then each
         block checked where it landed. False if the entry is gone or damaged."""
-        block = verified.block
         end = offset + len(out)
-        lo = offset - offset % block
-        hi = min(verified.size, -(-end // block) * block)
+        lo, hi, expected = verified.covering(offset, end)
         parts: list[memoryview] = [out]
         if offset > lo:
             parts.insert(0, memoryview(bytearray(offset - lo)))
@@ -664,8 +667,7 @@ class SectorCache:
         except OSError as e:  # evicted meanwhile, or removed behind our back
             self._lost(checksum, e)
             return False
-        expected = verified.digests[lo // block * 8 : -(-hi // block) * 8]
-        if got != hi - lo or parts_digests(parts, block) != expected:
+        if got != hi - lo or parts_digests(parts, verified.block) != expected:
             self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
             return False
         return True
