@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,12 +21,6 @@ from support import free_port
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / "runtime" / ".venv-vllm" / "bin" / "python"
 PROMPT = "Correct the grammar: She go to school every day.\nCorrected:"
-
-
-def _running(url: str) -> str:
-    """vLLM's running-requests gauge line (through the front's proxy)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return next((ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")), "")
 
 
 @pytest.mark.integration
@@ -106,24 +99,28 @@ def test_fp8_checkpoint_serves_in_vllm_and_drains(tiny_fp8: Path, tmp_path: Path
         assert report.token_agreement >= 0.9, report
         assert report.logprob_gap < 0.05, report
 
-        # drain: a request in flight when SIGTERM arrives still completes
-        results: list[httpx.Response] = []
-        slow = dict(body, max_tokens=200, ignore_eos=True)
-        t = threading.Thread(
-            target=lambda: results.append(
-                httpx.post(url + "/v1/completions", json=slow, timeout=300)
-            )
+        # drain: a request in flight when SIGTERM arrives still completes. Its first streamed
+        # token proves the engine is working on it (polling the running-requests gauge raced
+        # a request that finished between two polls); SIGTERM goes then, the rest must follow.
+        slow = dict(
+            body,
+            max_tokens=200,
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        t.start()
-        deadline = time.monotonic() + 60
-        while "vllm:num_requests_running" not in (m := _running(url)) or m.endswith(" 0.0"):
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        t.join(300)
-        assert results and results[0].status_code == 200
-        assert results[0].json()["usage"]["completion_tokens"] == 200
+        with httpx.stream("POST", url + "/v1/completions", json=slow, timeout=300) as sr:
+            assert sr.status_code == 200
+            lines = (ln[6:] for ln in sr.iter_lines() if ln.startswith("data: "))
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in [first, *rest[:-1]]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 200
         assert proc.wait(120) == 0
+        served_log = (tmp_path / "serve.log").read_text()
+        assert "SIGTERM: draining (1 in flight)" in served_log, served_log[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
