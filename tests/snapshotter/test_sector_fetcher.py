@@ -94,6 +94,21 @@ def test_coalesced_requests_respect_max_request_bytes(
     assert store.fetch_counts(image) == {n: 1 for n in range(23, 40)}
 
 
+def test_a_run_over_the_limit_is_cut_into_even_requests(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    run = range(23, 27)  # four stored sectors of about 64 KiB, contiguous in the blob
+    assert not any(image.index.sectors[n].is_zero for n in run)
+    limit = blob_range(image.index, range(23, 26))[1] + 100  # room for three
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_request_bytes=limit))
+    fetcher.get(run)
+    # two and two (both in flight at once, both about as long), not three and one
+    assert sorted(store.requests) == [
+        blob_range(image.index, range(23, 25)),
+        blob_range(image.index, range(25, 27)),
+    ]
+
+
 def test_sixteen_threads_on_overlapping_ranges_fetch_each_sector_once(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
