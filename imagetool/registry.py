@@ -52,7 +52,7 @@ from imagetool.errors import (
     StoreTimeoutError,
 )
 from imagetool.format import check_digest
-from imagetool.stores.base import StoreOptions
+from imagetool.stores.base import BytesBody, RangeBody, StoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -243,17 +243,45 @@ class RegistryClient:
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes of a blob at ``offset``, with a ranged GET."""
+        what = f"blob {digest}"
+        if length == 0:
+            self._check_empty_range(digest, offset)
+            return b""
+        resp = self._ranged_get(digest, offset, length)
+        try:
+            data = _read_at_most(resp, length + 1, self.where, what)
+        finally:
+            resp.close()
+        if len(data) != length:
+            raise StoreError(
+                f"{self.where}: {what}: range {offset}+{length} returned {len(data)} bytes"
+            )
+        return data
+
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        """``read_range``'s bytes as they arrive (``Store.open_range``)."""
+        if length == 0:
+            self._check_empty_range(digest, offset)
+            return BytesBody(f"{self.where}: blob {digest}", b"")
+        return _ResponseBody(self._ranged_get(digest, offset, length), self.where, digest, length)
+
+    def _check_empty_range(self, digest: str, offset: int) -> None:
+        check_digest(digest)
+        if offset < 0:
+            raise StoreError(f"{self.where}: blob {digest}: invalid range offset={offset}")
+        size = self.blob_size(digest)
+        if offset > size:
+            raise StoreError(
+                f"{self.where}: blob {digest}: range {offset}+0 is past the end ({size} bytes)"
+            )
+
+    def _ranged_get(self, digest: str, offset: int, length: int) -> httpx.Response:
+        """The streamed response to a GET of ``[offset, offset+length)`` (length > 0),
+        checked to be that range."""
         check_digest(digest)
         what = f"blob {digest}"
         if offset < 0 or length < 0:
             raise StoreError(f"{self.where}: {what}: invalid range offset={offset} length={length}")
-        if length == 0:
-            size = self.blob_size(digest)
-            if offset > size:
-                raise StoreError(
-                    f"{self.where}: {what}: range {offset}+0 is past the end ({size} bytes)"
-                )
-            return b""
         end = offset + length - 1
         resp = self._request(
             "GET",
@@ -282,14 +310,10 @@ class RegistryClient:
                     f"{self.where}: {what}: asked for bytes {offset}-{end}, got "
                     f"{content_range or 'no Content-Range'}"
                 )
-            data = _read_at_most(resp, length + 1, self.where, what)
-        finally:
+        except BaseException:
             resp.close()
-        if len(data) != length:
-            raise StoreError(
-                f"{self.where}: {what}: range {offset}+{length} returned {len(data)} bytes"
-            )
-        return data
+            raise
+        return resp
 
     def upload_blob(self, digest: str, source: Path | bytes) -> None:
         """Upload a blob (POST, then one PUT or PATCH chunks + PUT); skipped if present.
@@ -706,6 +730,33 @@ def _read_at_most(resp: httpx.Response, limit: int, where: str, what: str) -> by
     except httpx.HTTPError as e:
         raise StoreError(f"{where}: {what}: {_one_line(e)}") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _ResponseBody(RangeBody):
+    """A ranged GET's body, copied into the caller's buffers chunk by chunk as it arrives."""
+
+    def __init__(self, resp: httpx.Response, where: str, digest: str, length: int) -> None:
+        super().__init__(f"{where}: blob {digest}", length)
+        self._resp = resp
+        self._chunks = resp.iter_raw()
+        self._pending = memoryview(b"")
+
+    def _read_some(self, out: memoryview) -> int:
+        if not self._pending:
+            try:
+                self._pending = memoryview(next(self._chunks, b""))
+            except httpx.TimeoutException:
+                raise StoreTimeoutError(f"{self.where}: read timed out") from None
+            except httpx.HTTPError as e:
+                raise StoreError(f"{self.where}: {_one_line(e)}") from None
+        n = min(len(out), len(self._pending))
+        out[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._pending = memoryview(b"")
+        self._resp.close()
 
 
 def _basic(creds: tuple[str, str]) -> str:

@@ -10,7 +10,13 @@ store:
   of the same sector wait on that fetch instead of issuing their own.
 * **Coalescing.** Misses that are adjacent in the data blob (consecutive sectors, or separated
   only by all-zero sectors, which the blob omits) become one ranged read, up to
-  ``max_request_bytes``.
+  ``max_request_bytes`` (a longer run is cut into even pieces). Every request costs the store
+  (and us) a fixed overhead: a loopback docker-registry spends ~5 ms of CPU on each, and
+  with one request per 2 MiB compressed sector it was the biggest user of CPU after the
+  mount server.
+* **Streaming.** A request's sectors are verified, cached and handed out one by one as their
+  bytes arrive (``Store.open_range``), so a 16 MiB request delivers its first sector after
+  2 MiB of it, and a read that fails half-way keeps the sectors it delivered.
 * **Bounded parallelism, priorities.** Reads are jobs on a priority queue served by
   ``max_parallel`` worker threads; on-demand jobs always go before prefetch jobs, a prefetch
   job is promoted when an on-demand reader starts waiting on it, and prefetch work never
@@ -23,10 +29,11 @@ store:
   cached or returned; a sector that fails is refetched (counting against ``retries``) and
   never served or cached.
 * **Timeouts that hold.** The store is called on a separate thread per request and the worker
-  waits at most ``request_timeout`` for it, so a store call that hangs is abandoned (its
-  result ignored), not waited on; a reader waits at most until its deadline and then gets
-  ``FetchTimeoutError``. Hung calls keep their thread until the store answers; past
-  ``max_stuck_requests`` of them new requests fail at once instead of piling up threads.
+  waits at most ``request_timeout`` for each of its sectors, so a store call that hangs is
+  abandoned (the rest of its result ignored), not waited on; a reader waits at most until
+  its deadline and then gets ``FetchTimeoutError``. Hung calls keep their thread until the
+  store answers; past ``max_stuck_requests`` of them new requests fail at once instead of
+  piling up threads.
   One thing is remembered about failures: for ``timeout_memory`` seconds after a sector's
   fetch missed a deadline, unless the store answers a request meanwhile, readers of it wait
   at most ``RETRY_WAIT`` (the fetch itself is tried again with the full deadline). The
@@ -54,7 +61,6 @@ from imagetool.errors import (
     AuthError,
     ChecksumError,
     NotFoundError,
-    StoreError,
     StoreTimeoutError,
 )
 from imagetool.format import Index, blob_range, coalesce
@@ -65,13 +71,6 @@ from snapshotter.metrics import Counter, MountMetrics
 
 log = logging.getLogger(__name__)
 
-# Largest read-ahead request, in blob bytes: read-ahead is split into requests this small so
-# that several run in parallel (one sequential reader then gets the store's parallel
-# throughput) and the nearest one lands soon; and this big because every request costs the
-# store (and us) a fixed overhead: a loopback docker-registry spends ~5 ms of CPU per request,
-# and one 4 MiB request per 2 MiB compressed sector made it the biggest user of CPU after the
-# mount server.
-READAHEAD_REQUEST_BYTES = 8 << 20
 # Seconds a reader waits for a sector whose fetch missed its deadline moments ago (see
 # FetchConfig.timeout_memory): long enough for a store that is back to deliver, short enough
 # that the kernel's retries of a failed read do not each wait out a whole deadline.
@@ -100,8 +99,9 @@ class FetchConfig:
     a free worker soon even while a prefetch runs."""
 
     request_timeout: float = 10.0
-    """Seconds to wait for one ranged read before abandoning it and retrying. Generous: a
-    coalesced request is up to ``max_request_bytes`` over a possibly slow link."""
+    """Seconds a ranged read may go without delivering a sector before it is abandoned and
+    retried (sectors arrive one by one as their bytes do). Generous: a sector is up to 4 MiB
+    over a possibly slow link."""
 
     retries: int = 3
     """Attempts after the first for one request (failed, timed out or not verifying)."""
@@ -118,8 +118,11 @@ class FetchConfig:
     the read fails with ``FetchTimeoutError`` (EIO) instead of hanging the application."""
 
     max_request_bytes: int = 16 << 20
-    """Largest coalesced ranged read, in blob bytes (a single sector is never split). Bigger
-    requests amortise round trips; smaller ones start delivering sooner."""
+    """Largest coalesced ranged read, in blob bytes (a single sector is never split), for
+    on-demand reads and read-ahead alike. Bigger requests amortise the store's per-request
+    cost and round trips (sectors are handed out as they arrive, so a big request does not
+    delay the first); smaller ones spread a sequential reader's window over more
+    connections."""
 
     max_stuck_requests: int = 32
     """Abandoned store calls (timed out, still running on their thread) tolerated at once;
@@ -166,6 +169,48 @@ class _Flight:
         self.done = threading.Event()
         self.data: bytes | None = None
         self.error: BaseException | None = None
+
+
+class _Transfer:
+    """One ranged read on its store thread, as the worker waiting on it sees it."""
+
+    __slots__ = ("sectors", "cond", "delivered", "progress", "error", "finished", "abandoned")
+
+    def __init__(self, sectors: list[int]) -> None:
+        self.sectors = sectors
+        self.cond = threading.Condition()
+        self.delivered: set[int] = set()  # handed out (or being handed out) by the thread
+        self.progress = 0  # sectors delivered: the worker's sign of life
+        self.error: BaseException | None = None  # what stopped the rest
+        self.finished = False
+        self.abandoned = False  # the worker stopped waiting
+
+    def claim(self, n: int) -> bool:
+        """Sector ``n`` is about to be delivered; False if the worker has given up."""
+        with self.cond:
+            if self.abandoned:
+                return False
+            self.delivered.add(n)
+            return True
+
+    def advance(self) -> None:
+        with self.cond:
+            self.progress += 1
+            self.cond.notify()
+
+    def fail(self, error: BaseException) -> None:
+        """A sector did not verify; the read goes on with the others."""
+        with self.cond:
+            self.error = error
+            self.progress += 1
+            self.cond.notify()
+
+    def finish(self) -> bool:
+        """The thread is done; returns whether the worker had abandoned it."""
+        with self.cond:
+            self.finished = True
+            self.cond.notify()
+            return self.abandoned
 
 
 class SectorFetcher:
@@ -295,7 +340,7 @@ class SectorFetcher:
                     cached.append(checksum)
                     continue
                 new[checksum] = n
-            for run in self._plan(sorted(new.values()), READAHEAD_REQUEST_BYTES):
+            for run in self._plan(sorted(new.values())):
                 job = _Job(run, Priority.READAHEAD, deadline)
                 for n in run:
                     self._inflight[sectors[n].checksum] = _Flight(job)
@@ -471,12 +516,12 @@ class SectorFetcher:
         self.metrics.cache_hits.inc()
         return data
 
-    def _plan(self, numbers: list[int], most: int | None = None) -> list[list[int]]:
+    def _plan(self, numbers: list[int]) -> list[list[int]]:
         """Coalesce stored sectors into blob-contiguous runs, each cut into as few requests
-        of at most ``most`` bytes (default ``max_request_bytes``) as it takes, of about equal
-        size: four 2.1 MB sectors under an 8 MiB limit are two requests of two, not three
-        and one. A single sector is never split."""
-        most = min(most or self.config.max_request_bytes, self.config.max_request_bytes)
+        of at most ``max_request_bytes`` as it takes, of about equal size: four 2.1 MB
+        sectors under an 8 MiB limit are two requests of two, not three and one. A single
+        sector is never split."""
+        most = self.config.max_request_bytes
         sectors = self.index.sectors
         runs: list[list[int]] = []
         for run in coalesce(numbers):
@@ -569,7 +614,7 @@ class SectorFetcher:
                         self._work.notify()
 
     def _run(self, job: _Job) -> None:
-        index, cfg = self.index, self.config
+        cfg = self.config
         remaining = job.sectors
         error: BaseException | None = None
         for attempt in range(cfg.retries + 1):
@@ -579,39 +624,16 @@ class SectorFetcher:
                 self._closed.wait(max(0.0, min(random.uniform(0, cap), self._left(job))))
             if self._left(job) <= 0 and self._expire(job, remaining, error):
                 return
-            offset, length = blob_range(index, range(remaining[0], remaining[-1] + 1))
-            try:
-                data = self._read(offset, length, min(cfg.request_timeout, self._left(job)))
-            except _PERMANENT as e:
-                self.metrics.store_errors.inc()
-                self._fail(remaining, e)
+            remaining, error = self._fetch(job, remaining)
+            if not remaining:
                 return
-            except Exception as e:
+            if isinstance(error, _PERMANENT):
                 self.metrics.store_errors.inc()
-                log.info("blob range %d+%d: %s (attempt %d)", offset, length, e, attempt + 1)
-                error = e
-                continue
-            bad = []
-            view = memoryview(data)  # sectors decoded from slices of it, not copies
-            for n in remaining:
-                entry = index.sectors[n]
-                stored = view[entry.offset - offset : entry.offset - offset + entry.length]
-                try:
-                    decoded = index.decode_sector(n, stored)
-                except ChecksumError as e:
-                    self.metrics.checksum_errors.inc()
-                    log.warning("%s from %s; refetching", e, self.store.url)
-                    error = e
-                    bad.append(n)
-                    continue
-                self.metrics.sectors_fetched.inc()
-                for callback in self._listeners:
-                    callback(n, decoded)
-                self._cache_put(entry.checksum, decoded)
-                self._complete(n, decoded)
-            if not bad:
+                self._fail(remaining, error)
                 return
-            remaining = bad
+            if not isinstance(error, ChecksumError):
+                self.metrics.store_errors.inc()
+                log.info("sectors %s: %s (attempt %d)", _show(remaining), error, attempt + 1)
         log.warning("giving up on sectors %s: %s", _show(remaining), error)
         self._fail(remaining, error or FetchTimeoutError("deadline passed"))
 
@@ -635,50 +657,107 @@ class SectorFetcher:
         self._settle(flights, timeout)
         return True
 
-    def _read(self, offset: int, length: int, timeout: float) -> bytes:
-        """One ranged read on its own thread, waited on for at most ``timeout`` seconds."""
-        box: dict[str, object] = {}
-        done = threading.Event()
+    def _fetch(self, job: _Job, sectors: list[int]) -> tuple[list[int], BaseException | None]:
+        """One ranged read of the blob bytes of ``sectors`` (in blob order), on a thread of
+        its own (``_transfer``) that verifies, caches and hands out each sector as soon as
+        its bytes are in: a 16 MiB read delivers its first sector after 2 MiB, not 16. The
+        worker waits while sectors keep coming, and abandons a read that goes
+        ``request_timeout`` seconds without one, or past the job's deadline (a hung store
+        call keeps its thread, not the worker). Returns the sectors still to fetch and what
+        stopped them (a store error, a ``ChecksumError``, a timeout; None if all came)."""
         with self._lock:
             if self._stuck > self.config.max_stuck_requests:
-                raise StoreTimeoutError(f"{self._stuck} requests to {self.store.url} hang")
-
-        def call() -> None:
-            start = time.monotonic()
-            try:
-                box["data"] = self.store.read_range(self.index.blob_digest, offset, length)
-                self.metrics.fetch_latency.observe(time.monotonic() - start)
-            except BaseException as e:  # handed to the waiting worker
-                box["error"] = e
-            finally:
-                self.metrics.inflight.dec()
-                with self._lock:
-                    if "data" in box:
-                        self._timed_out.clear()  # the store answers again
-                    box["finished"] = True
-                    if box.get("abandoned"):
-                        self._stuck -= 1
-                done.set()
-
+                return sectors, StoreTimeoutError(
+                    f"{self._stuck} requests to {self.store.url} hang"
+                )
+        t = _Transfer(sectors)
         self.metrics.store_requests.inc()
         self.metrics.inflight.inc()
-        threading.Thread(target=call, name="lazyblock-store-read", daemon=True).start()
-        if not done.wait(timeout):
+        threading.Thread(
+            target=self._transfer, args=(t,), name="lazyblock-store-read", daemon=True
+        ).start()
+        stalled = 0.0
+        with t.cond:
+            while not t.finished:
+                seen = t.progress
+                wait = min(self.config.request_timeout, self._left(job))
+                if wait > 0:
+                    t.cond.wait(wait)
+                if not t.finished and t.progress == seen:
+                    t.abandoned = True
+                    stalled = max(wait, 0.0)
+                    break
+            left = [n for n in sectors if n not in t.delivered]
+            error = t.error
+        if t.abandoned:
             with self._lock:
-                if not box.get("finished"):
-                    box["abandoned"] = True
-                    self._stuck += 1
-                    raise StoreTimeoutError(
-                        f"{self.store.url}: no answer in {timeout:.1f}s for {length} bytes"
-                    )
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        data = box["data"]
-        assert isinstance(data, bytes | bytearray | memoryview)
-        if len(data) != length:
-            raise StoreError(f"short read: {len(data)} of {length} bytes")
-        self.metrics.bytes_fetched.inc(length)
-        return bytes(data)
+                self._stuck += 1
+            error = StoreTimeoutError(
+                f"{self.store.url}: no sector in {stalled:.1f}s from a read of sectors "
+                f"{_show(sectors)}"
+            )
+        return left, error
+
+    def _transfer(self, t: _Transfer) -> None:
+        """The store side of ``_fetch``: read the range a sector at a time, into one buffer
+        reused for each, and deliver the verified ones as they come."""
+        index = self.index
+        first, last = t.sectors[0], t.sectors[-1]
+        wanted = set(t.sectors)
+        offset, length = blob_range(index, range(first, last + 1))
+        start = time.monotonic()
+        stored = [index.sectors[n] for n in range(first, last + 1) if not index.sectors[n].is_zero]
+        buf = bytearray(max(e.length for e in stored))
+        try:
+            with self.store.open_range(index.blob_digest, offset, length) as body:
+                for n in range(first, last + 1):
+                    entry = index.sectors[n]
+                    if entry.is_zero:
+                        continue
+                    at = offset + body.position
+                    if entry.offset < at or entry.offset + entry.length > offset + length:
+                        # Not in blob order: not an index this project wrote. Alone, in its
+                        # own read, it is found where the index says.
+                        t.fail(ChecksumError(f"sector {n}: out of blob order"))
+                        continue
+                    while at < entry.offset:  # bytes of no sector asked for
+                        skip = min(len(buf), entry.offset - at)
+                        body.readinto(memoryview(buf)[:skip])
+                        at += skip
+                    view = memoryview(buf)[: entry.length]
+                    body.readinto(view)
+                    self.metrics.bytes_fetched.inc(entry.length)
+                    if n not in wanted:
+                        continue
+                    try:
+                        decoded = index.decode_sector(n, view)
+                    except ChecksumError as e:
+                        self.metrics.checksum_errors.inc()
+                        log.warning("%s from %s; refetching", e, self.store.url)
+                        t.fail(e)
+                        continue
+                    if not t.claim(n):
+                        return  # the worker gave up on this read and retries the rest
+                    self._deliver(n, decoded)
+                    t.advance()
+            self.metrics.fetch_latency.observe(time.monotonic() - start)
+        except BaseException as e:  # handed to the waiting worker
+            t.error = e
+        finally:
+            self.metrics.inflight.dec()
+            if t.finish():
+                with self._lock:
+                    self._stuck -= 1
+
+    def _deliver(self, n: int, data: bytes) -> None:
+        """A sector fetched and verified: to the listeners, the cache and its readers."""
+        with self._lock:
+            self._timed_out.clear()  # the store answers again
+        self.metrics.sectors_fetched.inc()
+        for callback in self._listeners:
+            callback(n, data)
+        self._cache_put(self.index.sectors[n].checksum, data)
+        self._complete(n, data)
 
     def _cache_put(self, checksum: str, data: bytes) -> None:
         try:

@@ -34,6 +34,60 @@ class StoreOptions:
     credentials: tuple[str, str] | None = field(default=None, repr=False)
 
 
+class RangeBody(ABC):
+    """The bytes of one ranged read of a blob (``Store.open_range``), consumed in order with
+    ``readinto``; a context manager that releases the connection or file behind it."""
+
+    def __init__(self, where: str, length: int) -> None:
+        self.where = where  # for messages: the store and the blob
+        self.length = length
+        self.position = 0  # bytes of the range consumed so far
+
+    def readinto(self, out: memoryview) -> None:
+        """Fill ``out`` with the next ``len(out)`` bytes of the range; ``StoreError`` if the
+        body ends first (store errors as ``read_range`` raises them)."""
+        from imagetool.errors import StoreError
+
+        want = len(out)
+        if self.position + want > self.length:
+            raise ValueError(f"read past the range: {self.position}+{want} of {self.length}")
+        end = self.position + want
+        while self.position < end:
+            n = self._read_some(out[want - (end - self.position) :])
+            if n <= 0:
+                raise StoreError(
+                    f"{self.where}: the range ended after {self.position} of {self.length} bytes"
+                )
+            self.position += n
+
+    @abstractmethod
+    def _read_some(self, out: memoryview) -> int:
+        """Up to ``len(out)`` (> 0) bytes from ``position`` on into ``out``; how many, 0
+        at the end."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection or file."""
+
+    def __enter__(self) -> RangeBody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BytesBody(RangeBody):
+    """A range already read whole."""
+
+    def __init__(self, where: str, data: bytes) -> None:
+        super().__init__(where, len(data))
+        self._data = memoryview(data)
+
+    def _read_some(self, out: memoryview) -> int:
+        n = min(len(out), len(self._data) - self.position)
+        out[:n] = self._data[self.position : self.position + n]
+        return n
+
+
 class Store(ABC):
     """One image name in one store."""
 
@@ -58,6 +112,13 @@ class Store(ABC):
     @abstractmethod
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset`` of a blob (``StoreError`` if short)."""
+
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        """The bytes ``read_range`` returns, to be read in order as they arrive: a reader of
+        a long range can use its first bytes before the last are in, and reads them into
+        its own buffers. Backends that can stream override this; by default the whole range
+        is read first."""
+        return BytesBody(f"{self.url}: blob {digest}", self.read_range(digest, offset, length))
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest."""

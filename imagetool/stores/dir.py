@@ -21,7 +21,7 @@ from pathlib import Path
 from imagetool.errors import NotFoundError, StoreError
 from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.stores._common import check_publishable, check_range, verify_source
-from imagetool.stores.base import Store
+from imagetool.stores.base import RangeBody, Store
 from imagetool.stores.refs import check_name_component, check_tag
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,8 @@ class DirStore(Store):
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         where = f"{self.url}: blob {digest}"
-        check_range(where, offset, length)
-        path = self._blob_path(digest)
+        fd = self._open_range(digest, where, offset, length)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise NotFoundError(f"blob {digest} not found in {self.url}") from None
-        except OSError as e:
-            raise StoreError(f"{where}: cannot open: {e.strerror}") from None
-        try:
-            check_range(where, offset, length, os.fstat(fd).st_size)
             parts: list[bytes] = []
             done = 0
             while done < length:
@@ -83,6 +75,30 @@ class DirStore(Store):
             raise StoreError(f"{where}: read failed: {e.strerror}") from None
         finally:
             os.close(fd)
+
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        where = f"{self.url}: blob {digest}"
+        return _FileBody(where, self._open_range(digest, where, offset, length), offset, length)
+
+    def _open_range(self, digest: str, where: str, offset: int, length: int) -> int:
+        """A descriptor of the blob, checked to hold ``[offset, offset+length)``."""
+        check_range(where, offset, length)
+        path = self._blob_path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise NotFoundError(f"blob {digest} not found in {self.url}") from None
+        except OSError as e:
+            raise StoreError(f"{where}: cannot open: {e.strerror}") from None
+        try:
+            check_range(where, offset, length, os.fstat(fd).st_size)
+        except OSError as e:
+            os.close(fd)
+            raise StoreError(f"{where}: cannot stat: {e.strerror}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
         final = self._blob_path(digest)
@@ -199,3 +215,23 @@ def _atomic_write(final: Path, data: bytes, where: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise StoreError(f"{where}: write of {final.name} failed: {e.strerror or e}") from None
+
+
+class _FileBody(RangeBody):
+    """A range of a blob file, read with ``preadv`` straight into the caller's buffers."""
+
+    def __init__(self, where: str, fd: int, offset: int, length: int) -> None:
+        super().__init__(where, length)
+        self._fd = fd
+        self._offset = offset
+
+    def _read_some(self, out: memoryview) -> int:
+        try:
+            return os.preadv(self._fd, [out], self._offset + self.position)
+        except OSError as e:
+            raise StoreError(f"{self.where}: read failed: {e.strerror}") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -44,7 +44,7 @@ from imagetool.format import (
 )
 from imagetool.registry import RegistryClient
 from imagetool.stores._common import check_publishable, check_range
-from imagetool.stores.base import Store, StoreOptions
+from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import ImageRef, check_tag
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,10 @@ class RegistryStore(Store):
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         check_range(f"{self.url}: blob {digest}", offset, length)
         return self.client.read_range(digest, offset, length)
+
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        check_range(f"{self.url}: blob {digest}", offset, length)
+        return self.client.open_range(digest, offset, length)
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest. When a manifest this store

@@ -30,7 +30,7 @@ from botocore.config import Config
 from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
 from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.stores._common import check_publishable, check_range, verify_source
-from imagetool.stores.base import Store, StoreOptions
+from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import check_name_component, check_tag
 
 log = logging.getLogger(__name__)
@@ -111,26 +111,32 @@ class S3Store(Store):
             return b""
 
         def get() -> bytes:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
-            )
-            with resp["Body"] as body:
+            with self._get_range(key, offset, length) as body:
                 return body.read()
 
-        try:
-            data = _call(where, get)
-        except StoreError as e:
-            if "InvalidRange" in str(e) or "416" in str(e):
-                raise StoreError(
-                    f"{where}: range {offset}+{length} is past the end of the blob"
-                ) from None
-            raise
+        data = _call_range(where, offset, length, get)
         if len(data) != length:
             raise StoreError(
                 f"{where}: range {offset}+{length} returned {len(data)} bytes "
                 "(past the end of the blob?)"
             )
         return data
+
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        if length == 0:
+            return super().open_range(digest, offset, length)
+        key = self._blob_key(digest)
+        where = self._where(key)
+        check_range(where, offset, length)
+        body = _call_range(where, offset, length, lambda: self._get_range(key, offset, length))
+        return _S3Body(where, body, length)
+
+    def _get_range(self, key: str, offset: int, length: int) -> Any:
+        """The streaming body of a ranged GET."""
+        resp = self._client.get_object(
+            Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
+        )
+        return resp["Body"]
 
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
         if self.has_blob(digest):
@@ -276,6 +282,35 @@ def _call(where: str, fn: Callable[[], T]) -> T:
         raise AuthError(f"{where}: {_one_line(e)}") from None
     except botocore.exceptions.BotoCoreError as e:
         raise StoreError(f"{where}: {_one_line(e)}") from None
+
+
+def _call_range(where: str, offset: int, length: int, fn: Callable[[], T]) -> T:
+    """``_call`` for a ranged read: a range past the end of the blob says so."""
+    try:
+        return _call(where, fn)
+    except StoreError as e:
+        if "InvalidRange" in str(e) or "416" in str(e):
+            past = f"{where}: range {offset}+{length} is past the end of the blob"
+            raise StoreError(past) from None
+        raise
+
+
+class _S3Body(RangeBody):
+    """A ranged GET's streaming body, read a piece at a time into the caller's buffers."""
+
+    PIECE = 1 << 20  # bytes asked of the body at once
+
+    def __init__(self, where: str, body: Any, length: int) -> None:
+        super().__init__(where, length)
+        self._body = body
+
+    def _read_some(self, out: memoryview) -> int:
+        data = _call(self.where, lambda: self._body.read(min(len(out), self.PIECE)))
+        out[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._body.close()
 
 
 def _raise_client_error(where: str, response: dict[str, Any]) -> NoReturn:

@@ -15,7 +15,7 @@ import zstandard
 
 from imagetool.errors import StoreError
 from imagetool.format import FileExtent, Index, Sector, sector_checksum, sha256_digest
-from imagetool.stores.base import Store
+from imagetool.stores.base import BytesBody, RangeBody, Store
 from snapshotter.cache import LAYOUT_VERSION
 from snapshotter.fetcher import FetchConfig
 
@@ -107,6 +107,9 @@ class FaultyStore(Store):
     ``mode``: "ok", "down" (raise StoreError) or "hang" (block until ``release()``).
     ``corrupt``: blob offset -> how many more reads covering it return that byte flipped.
     ``before_read``: called with (offset, length) before each read (after recording it).
+    ``stall_after``: the next ``open_range`` body stops after that many bytes, until
+    ``release()`` (a read that stalls mid-way); other bodies stream the bytes of
+    ``read_range`` as they are.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -117,6 +120,7 @@ class FaultyStore(Store):
         self.corrupt: dict[int, int] = {}
         self.requests: list[tuple[int, int]] = []
         self.before_read: Callable[[int, int], None] | None = None
+        self.stall_after: int | None = None
         self._gate = threading.Event()
         self._lock = threading.Lock()
         self.hanging = 0
@@ -150,6 +154,15 @@ class FaultyStore(Store):
                     self.corrupt[at] = times - 1
         return bytes(data)
 
+    def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
+        data = self.read_range(digest, offset, length)
+        with self._lock:
+            stall, self.stall_after = self.stall_after, None
+        if stall is None:
+            return BytesBody(self.url, data)
+        self._gate.clear()
+        return _StallingBody(self.url, data, stall, self._gate)
+
     def fetch_counts(self, image: Image) -> dict[int, int]:
         """How many times each stored sector was read from the store."""
         counts: dict[int, int] = {}
@@ -177,6 +190,22 @@ class FaultyStore(Store):
 
     def list_tags(self) -> list[str]:
         return self.inner.list_tags()
+
+
+class _StallingBody(BytesBody):
+    """A body that stops after ``stall`` bytes until ``gate`` is set."""
+
+    def __init__(self, where: str, data: bytes, stall: int, gate: threading.Event) -> None:
+        super().__init__(where, data)
+        self._stall = stall
+        self._gate = gate
+
+    def _read_some(self, out: memoryview) -> int:
+        if self.position >= self._stall:
+            self._gate.wait(60)
+        elif self.position + len(out) > self._stall:
+            out = out[: self._stall - self.position]
+        return super()._read_some(out)
 
 
 # Quick to fail: tests that provoke timeouts should not wait for production defaults.

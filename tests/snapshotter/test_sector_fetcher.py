@@ -109,6 +109,36 @@ def test_a_run_over_the_limit_is_cut_into_even_requests(
     ]
 
 
+def test_the_sectors_of_a_long_read_are_served_as_their_bytes_arrive(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher(dataclasses.replace(FAST, request_timeout=5.0))
+    store.stall_after = blob_range(image.index, range(23, 25))[1]  # two sectors, then nothing
+    fetcher.readahead(range(23, 30))  # one request
+    assert fetcher.get([23, 24], time.monotonic() + 2) == {n: image.sector(n) for n in (23, 24)}
+    assert store.requests == [blob_range(image.index, range(23, 30))]
+    store.release()
+    assert fetcher.get(range(23, 30)) == {n: image.sector(n) for n in range(23, 30)}
+    assert len(store.requests) == 1
+
+
+def test_a_read_that_stalls_is_abandoned_and_only_the_rest_is_fetched_again(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher(dataclasses.replace(FAST, request_timeout=0.3))
+    store.stall_after = blob_range(image.index, range(23, 25))[1]
+    start = time.monotonic()
+    assert fetcher.get(range(23, 30)) == {n: image.sector(n) for n in range(23, 30)}
+    assert time.monotonic() - start < 3
+    # the first read delivered 23 and 24 and stalled; the retry asked for 25..29 only
+    assert store.requests == [
+        blob_range(image.index, range(23, 30)),
+        blob_range(image.index, range(25, 30)),
+    ]
+    assert fetcher.metrics.sectors_fetched.value == 7
+    assert fetcher.metrics.retries.value == 1
+
+
 def test_sixteen_threads_on_overlapping_ranges_fetch_each_sector_once(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:

@@ -46,6 +46,41 @@ def test_read_range_out_of_range(store: Store, image) -> None:
             store.read_range(image.blob_digest, offset, length)
 
 
+def test_open_range_streams_the_same_bytes_in_pieces(store: Store, image) -> None:
+    put(store, image)
+    size = len(image.blob)
+    offset, length = 7, size - 20
+    got = bytearray(length)
+    view = memoryview(got)
+    with store.open_range(image.blob_digest, offset, length) as body:
+        cut = [0, 1, 1000, length // 3, length // 2, length]  # pieces of any size, in order
+        for lo, hi in zip(cut, cut[1:], strict=False):
+            body.readinto(view[lo:hi])
+        assert body.position == length
+        with pytest.raises(ValueError):
+            body.readinto(memoryview(bytearray(1)))  # past the range asked for
+    assert got == image.blob[offset : offset + length]
+    with store.open_range(image.blob_digest, size, 0) as body:
+        body.readinto(memoryview(b""))
+    # closing early is fine: the rest is never read
+    with store.open_range(image.blob_digest, 0, size) as body:
+        first = bytearray(10)
+        body.readinto(memoryview(first))
+    assert first == image.blob[:10]
+
+
+def test_open_range_errors_are_read_range_errors(store: Store, image) -> None:
+    put(store, image)
+    size = len(image.blob)
+    for offset, length in [(-1, 1), (0, -1), (size - 1, 2), (size, 1), (size + 10, 0)]:
+        with pytest.raises(StoreError):
+            with store.open_range(image.blob_digest, offset, length) as body:
+                body.readinto(memoryview(bytearray(max(0, length))))
+    with pytest.raises(NotFoundError):
+        with store.open_range(MISSING, 0, 10) as body:
+            body.readinto(memoryview(bytearray(10)))
+
+
 def test_put_blob_from_path(store: Store, image, tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(image.blob)
