@@ -22,9 +22,10 @@ files may be streamed in parallel and the kernel's requests within a window arri
 order — and once a stream has read ``STREAM_MIN_SECTORS`` sectors' worth of bytes in a row, it
 keeps the next ``readahead_bytes`` of the image in flight ahead of it
 (``SectorFetcher.readahead``: fetches queued behind on-demand reads, promoted when a read
-wants them; cached sectors read ahead by the kernel). A read that reaches the end of a
-sector in memory puts that sector first in line for eviction: a sequential reader has used
-it up, and the sectors fetched ahead of it, which nobody has read yet, must outlive it. A
+wants them; cached sectors read ahead by the kernel), leaving ``READAHEAD_MARGIN`` sectors
+of the memory LRU to the ones being read. A sector in memory whose every byte has been read
+goes first in line for eviction: a sequential reader has used it up, and the sectors
+fetched ahead of it, which nobody has read yet, must outlive it. A
 stream that goes quiet (pushed out by ``MAX_STREAMS`` newer ones, as random reads
 do) has its read-ahead that has not started yet cancelled. Random reads never build up a
 stream, so they never trigger read-ahead.
@@ -51,6 +52,9 @@ DEFAULT_MEMORY_SECTORS = 8
 # keep all the fetcher's workers busy (so a single reader gets the store's parallel
 # throughput), and a bounded waste when the reader stops early.
 DEFAULT_READAHEAD_BYTES = 128 << 20
+# Sectors of the memory LRU that read-ahead leaves to the ones a sequential reader is in: the
+# kernel's 4 MiB read-ahead window can span two sectors, and its requests arrive in any order.
+READAHEAD_MARGIN = 4
 # Streams tracked at once: a few files read in parallel. Random reads push streams out.
 MAX_STREAMS = 8
 # A read continues a stream if it starts within this distance of where the stream got to:
@@ -93,15 +97,18 @@ class BlockReader:
         self.memory_sectors = memory_sectors
         self.timeout = timeout
         # Read-ahead lands in the memory LRU (the cache writes entries past the page cache),
-        # so it never runs further ahead than that holds: what it fetched would be pushed
-        # out before the reader got there, and read back from disk.
+        # so it never runs further ahead than that holds, less the sectors the reader is in
+        # (READAHEAD_MARGIN): what it fetched would push out the sectors about to be read,
+        # to be read back from disk. With no margin, a quarter of a cold pass was.
         self.readahead_sectors = readahead_bytes // index.sector_size
         if memory_sectors:
-            self.readahead_sectors = min(self.readahead_sectors, memory_sectors)
+            room = max(1, memory_sectors - READAHEAD_MARGIN)
+            self.readahead_sectors = min(self.readahead_sectors, room)
         self.stream_slack = stream_slack
         self.metrics = fetcher.metrics
         self._lock = threading.Lock()
         self._memory: OrderedDict[int, bytes] = OrderedDict()  # LRU first
+        self._used: dict[int, int] = {}  # bytes read so far of each sector in memory
         self._touched: dict[int, None] = {}  # insertion-ordered set
         self._streams: list[_Stream] = []  # most recently used last
         if memory_sectors:
@@ -143,22 +150,24 @@ class BlockReader:
         sequential = bool(self.readahead_sectors) and self._follow(offset, end)
         # Sector n's bytes [lo, hi) go to out[start + lo - offset : start + hi - offset].
         spans = {}
-        ends = set()  # sectors this read reaches the end of
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
-            if end >= start + size:
-                ends.add(n)
         in_memory: dict[int, bytes] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
                 data = self._memory.get(n)
                 if data is not None:
-                    # A read that reaches a sector's end has most likely used it up (a
-                    # sequential reader moves on): it goes first when room is needed, before
-                    # the sectors read ahead that nobody has read yet.
-                    self._memory.move_to_end(n, last=n not in ends)
+                    # A sector whose every byte has been read has most likely been used up
+                    # (a sequential reader moves on): it goes first when room is needed,
+                    # before the sectors read ahead that nobody has read yet. The kernel's
+                    # requests within its read-ahead window arrive in any order, so bytes
+                    # are counted, not just whether a read reached the sector's end.
+                    _, lo, hi = spans[n]
+                    used = self._used.get(n, 0) + hi - lo
+                    self._used[n] = used
+                    self._memory.move_to_end(n, last=used < len(data))
                     in_memory[n] = data
         if in_memory:
             self.metrics.memory_hits.inc(len(in_memory))
@@ -174,7 +183,7 @@ class BlockReader:
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             fetched = self.fetcher.get(wanted, deadline)
-            self._remember(fetched)
+            self._remember(fetched, spans)
             for n, data in fetched.items():
                 start, lo, hi = spans[n]
                 out[start + lo - offset : start + hi - offset] = memoryview(data)[lo:hi]
@@ -200,23 +209,31 @@ class BlockReader:
         """Forget the decoded sectors held in memory."""
         with self._lock:
             self._memory.clear()
+            self._used.clear()
 
     def _remember_one(self, n: int, data: bytes) -> None:
         with self._lock:
             self._memory[n] = data
             self._memory.move_to_end(n)
-            while len(self._memory) > self.memory_sectors:
-                self._memory.popitem(last=False)
+            self._evict()
 
-    def _remember(self, fetched: dict[int, bytes]) -> None:
+    def _remember(self, fetched: dict[int, bytes], spans: dict[int, tuple[int, int, int]]) -> None:
+        """Keep sectors a read fetched, counting the bytes of them it read (``spans``)."""
         if not self.memory_sectors:
             return
         with self._lock:
             for n, data in fetched.items():
                 self._memory[n] = data
                 self._memory.move_to_end(n)
-            while len(self._memory) > self.memory_sectors:
-                self._memory.popitem(last=False)
+                _, lo, hi = spans[n]
+                self._used[n] = self._used.get(n, 0) + hi - lo
+            self._evict()
+
+    def _evict(self) -> None:
+        """Lock held."""
+        while len(self._memory) > self.memory_sectors:
+            n, _ = self._memory.popitem(last=False)
+            self._used.pop(n, None)
 
     # --- sequential read-ahead ------------------------------------------------------------
 
@@ -242,8 +259,9 @@ class BlockReader:
             if sequential:
                 first = (stream.end - 1) // sector_size + 1
                 last = min(self.index.sector_count, first + self.readahead_sectors)
-                # Ask again once a quarter of the window has been consumed, for whole runs.
-                if last - stream.ahead_to >= max(1, self.readahead_sectors // 4):
+                # Ask again once a third of the window has been consumed: runs long enough
+                # for requests that amortise the store's per-request cost.
+                if last - stream.ahead_to >= max(1, self.readahead_sectors // 3):
                     ahead = (max(first, stream.ahead_to), last)
                     if stream.ahead_to < first:
                         stream.ahead_from = first

@@ -13,7 +13,7 @@ from datapath_support import SECTOR, Image, wait_until
 
 from snapshotter.errors import FetchError, InvalidReadError
 from snapshotter.fetcher import FetchConfig, SectorFetcher
-from snapshotter.reader import BlockReader
+from snapshotter.reader import READAHEAD_MARGIN, BlockReader
 
 MakeFetcher = Callable[..., SectorFetcher]
 
@@ -122,7 +122,7 @@ def test_a_sequential_reader_gets_sectors_fetched_ahead(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
     fetcher = make_fetcher()
-    reader = BlockReader(image.index, fetcher, memory_sectors=8, readahead_bytes=8 * SECTOR)
+    reader = BlockReader(image.index, fetcher, memory_sectors=12, readahead_bytes=8 * SECTOR)
     chunk = 16 << 10
     for offset in range(0, 3 * SECTOR, chunk):  # two sectors' worth makes it a stream
         assert reader.read(offset, chunk) == image.data[offset : offset + chunk]
@@ -142,7 +142,7 @@ def test_a_sequential_reader_gets_sectors_fetched_ahead(
     assert all(c == 1 for c in counts.values()), counts  # nothing fetched twice
 
 
-def test_a_sector_read_to_its_end_is_evicted_before_unread_ones(
+def test_a_sector_read_whole_is_evicted_before_unread_ones(
     image: Image, make_fetcher: MakeFetcher
 ) -> None:
     a, b, c = [n for n, s in enumerate(image.index.sectors) if not s.is_zero][:3]
@@ -153,10 +153,10 @@ def test_a_sector_read_to_its_end_is_evicted_before_unread_ones(
         offset = n * SECTOR + at
         assert reader.read(offset, length) == image.data[offset : offset + length]
 
-    read(a, 0)
+    read(a, SECTOR - 4096)  # the kernel's requests come in any order: the end first
     read(b, 0)  # memory: a, b (b unread but for its start, as read-ahead leaves it)
-    read(a, 4096)  # a is the most recently used...
-    read(a, SECTOR - 4096)  # ...until a read reaches its end: used up, it goes first
+    read(a, 4096, SECTOR - 8192)  # a is the most recently used...
+    read(a, 0)  # ...until its every byte has been read: used up, it goes first
     read(c, 0)  # room for c
     hits = fetcher.metrics.memory_hits.value
     read(b, 8192)
@@ -167,10 +167,38 @@ def test_a_sector_read_to_its_end_is_evicted_before_unread_ones(
 
 def test_read_ahead_stays_within_the_memory_lru(image: Image, make_fetcher: MakeFetcher) -> None:
     # what it fetches is kept in memory; further ahead, it would be pushed out unread
+    # (less the sectors the reader is in)
+    reader = BlockReader(image.index, make_fetcher(), memory_sectors=9, readahead_bytes=8 * SECTOR)
+    assert reader.readahead_sectors == 9 - READAHEAD_MARGIN
     reader = BlockReader(image.index, make_fetcher(), memory_sectors=3, readahead_bytes=8 * SECTOR)
-    assert reader.readahead_sectors == 3
+    assert reader.readahead_sectors == 1
     reader = BlockReader(image.index, make_fetcher(), memory_sectors=0, readahead_bytes=8 * SECTOR)
     assert reader.readahead_sectors == 8
+
+
+def test_a_sequential_pass_never_reads_back_what_read_ahead_fetched(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    # Read-ahead as deep as memory pushed out sectors the reader was about to read (fetched
+    # longest ago), which were then read back from the disk cache. The kernel reads a file a
+    # window at a time, the window's requests served in any order: here two sectors'
+    # worth, back to front.
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=8, readahead_bytes=8 * SECTOR)
+    chunk = 16 << 10
+    size = image.index.image_size
+    for window in range(0, size, 2 * SECTOR):
+        for offset in reversed(range(window, min(size, window + 2 * SECTOR), chunk)):
+            assert reader.read(offset, chunk) == image.data[offset : offset + chunk]
+    assert fetcher.readahead_sectors.value > 0
+    # only sectors whose content an earlier one had come from the cache (that entry)
+    seen: set[str] = set()
+    repeats = 0
+    for sector in image.index.sectors:
+        repeats += not sector.is_zero and sector.checksum in seen
+        seen.add(sector.checksum)
+    assert repeats and fetcher.metrics.cache_hits.value == repeats * SECTOR // chunk
+    assert all(c == 1 for c in store.fetch_counts(image).values())
 
 
 def test_random_reads_do_not_read_ahead(image: Image, store, make_fetcher: MakeFetcher) -> None:
