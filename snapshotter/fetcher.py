@@ -240,6 +240,9 @@ class SectorFetcher:
         self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
         self._listeners: list[Callable[[int, bytes], None]] = []
+        # Transfer buffers (``_take_buffer``): one per request in flight, kept for reuse.
+        self._buffer_size = max((s.length for s in index.sectors), default=0)
+        self._buffers: list[bytearray] = []
         self._warmer_running = False
         self._closed = threading.Event()
         self._workers = [
@@ -706,8 +709,7 @@ class SectorFetcher:
         wanted = set(t.sectors)
         offset, length = blob_range(index, range(first, last + 1))
         start = time.monotonic()
-        stored = [index.sectors[n] for n in range(first, last + 1) if not index.sectors[n].is_zero]
-        buf = bytearray(max(e.length for e in stored))
+        buf = self._take_buffer()
         try:
             with self.store.open_range(index.blob_digest, offset, length) as body:
                 for n in range(first, last + 1):
@@ -744,10 +746,32 @@ class SectorFetcher:
         except BaseException as e:  # handed to the waiting worker
             t.error = e
         finally:
+            self._give_buffer(buf)
             self.metrics.inflight.dec()
             if t.finish():
                 with self._lock:
                     self._stuck -= 1
+
+    def _take_buffer(self) -> bytearray:
+        """A buffer for the stored bytes of any one sector: reused, since a new one of a few
+        MiB costs page faults and zeroing on every request."""
+        with self._lock:
+            if self._buffers:
+                return self._buffers.pop()
+        return bytearray(self._buffer_size)
+
+    def release_buffers(self) -> int:
+        """Drop the transfer buffers kept for reuse (a mount server that has gone quiet
+        gives their memory back); returns how many bytes they held."""
+        with self._lock:
+            freed = sum(len(b) for b in self._buffers)
+            self._buffers.clear()
+        return freed
+
+    def _give_buffer(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._buffers) < self.config.max_parallel:
+                self._buffers.append(buf)
 
     def _deliver(self, n: int, data: bytes) -> None:
         """A sector fetched and verified: to the listeners, the cache and its readers."""

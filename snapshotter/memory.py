@@ -5,8 +5,8 @@ A cold read of an image allocates and frees hundreds of megabytes of sector buff
 arenas: a mount server that had streamed a 2 GiB image held ~250 MB where it used ~140 (its
 memory of decoded sectors, its aligned buffers, the interpreter). So a mount server
 (``snapshotter.mountd``) limits glibc to ``ARENAS`` arenas (~200 MB left, no slower) and,
-once its reads have been quiet for ``QUIET_SECONDS`` after a burst, has glibc return the
-pages nothing uses (``malloc_trim``). ``Trimmer`` is the policy, a pure function of a
+once its reads have been quiet for ``QUIET_SECONDS`` after a burst, drops the fetcher's
+transfer buffers and has glibc return the pages nothing uses (``malloc_trim``). ``Trimmer`` is the policy, a pure function of a
 counter of work done and the clock.
 """
 

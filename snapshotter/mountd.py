@@ -263,6 +263,7 @@ class MountServer:
                 break
             work = metrics.read_bytes.value + metrics.bytes_fetched.value
             if trimmer.due(work, time.monotonic()):
+                self.fetcher.release_buffers()
                 memory.trim()
         log.info("FUSE file system of %s is gone; exiting", self.mountpoint)
 

@@ -139,6 +139,18 @@ def test_a_read_that_stalls_is_abandoned_and_only_the_rest_is_fetched_again(
     assert fetcher.metrics.retries.value == 1
 
 
+def test_transfer_buffers_are_reused_and_released(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel=2))
+    fetcher.get([23])
+    fetcher.get([30])  # the same buffer again: one kept
+    largest = max(s.length for s in image.index.sectors)
+    assert fetcher.release_buffers() == largest
+    assert fetcher.release_buffers() == 0
+    assert fetcher.get([31]) == {31: image.sector(31)}
+
+
 def test_sixteen_threads_on_overlapping_ranges_fetch_each_sector_once(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
