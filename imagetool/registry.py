@@ -755,6 +755,15 @@ class _ResponseBody(RangeBody):
         return n
 
     def close(self) -> None:
+        """Release the connection: back to the pool when the range was read to its end (the
+        response is then run to its end, which is what lets httpx reuse it: a connection
+        per request was a new TCP connection and a new registry handler every 2 MiB),
+        closed otherwise."""
+        if self.position == self.length and not self._pending:
+            with contextlib.suppress(httpx.HTTPError):
+                for extra in self._chunks:
+                    if extra:  # more than the range: not a connection to reuse
+                        break
         self._pending = memoryview(b"")
         self._resp.close()
 

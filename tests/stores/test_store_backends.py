@@ -134,3 +134,36 @@ def test_s3_timeout(s3_server: str, silent_server: str, monkeypatch) -> None:
     with S3Store("bucket", "", "app", StoreOptions(timeout=0.5, retries=0)) as store:
         with pytest.raises(StoreTimeoutError, match="s3://bucket"):
             store.read_range("sha256:" + "0" * 64, 0, 10)
+
+
+def test_registry_ranges_read_to_their_end_reuse_the_connection(
+    registry, image, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A response left before its end is closed with its connection: a new TCP connection
+    # and a new registry handler for every sector. (moto's S3 server closes every
+    # connection itself, so this is checked against the registry only.)
+    from imagetool.stores.registry import RegistryStore
+
+    options = StoreOptions(plain_http=True, docker_config=tmp_path / "none.json")
+    with RegistryStore(registry.host, "lb/reuse", options) as store:
+        store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+        size = len(image.blob)
+
+        def read_range(offset: int, length: int) -> bytes:
+            got = bytearray(length)
+            with store.open_range(image.blob_digest, offset, length) as body:
+                body.readinto(memoryview(got))
+            return bytes(got)
+
+        assert read_range(0, size) == image.blob
+        connects: list[object] = []
+        connect = socket.socket.connect
+
+        def counting(sock: socket.socket, address: object) -> None:
+            connects.append(address)
+            connect(sock, address)
+
+        monkeypatch.setattr(socket.socket, "connect", counting)
+        for offset in (0, 100, size // 2):
+            assert read_range(offset, size - offset) == image.blob[offset:]
+        assert connects == []
