@@ -174,13 +174,13 @@ class _Flight:
 class _Transfer:
     """One ranged read on its store thread, as the worker waiting on it sees it."""
 
-    __slots__ = ("sectors", "cond", "delivered", "progress", "error", "finished", "abandoned")
+    __slots__ = ("sectors", "cond", "delivered", "last", "error", "finished", "abandoned")
 
     def __init__(self, sectors: list[int]) -> None:
         self.sectors = sectors
         self.cond = threading.Condition()
         self.delivered: set[int] = set()  # handed out (or being handed out) by the thread
-        self.progress = 0  # sectors delivered: the worker's sign of life
+        self.last = time.monotonic()  # when the read started or last delivered a sector
         self.error: BaseException | None = None  # what stopped the rest
         self.finished = False
         self.abandoned = False  # the worker stopped waiting
@@ -194,16 +194,15 @@ class _Transfer:
             return True
 
     def advance(self) -> None:
+        """A sector was delivered: the read is alive."""
         with self.cond:
-            self.progress += 1
-            self.cond.notify()
+            self.last = time.monotonic()
 
     def fail(self, error: BaseException) -> None:
         """A sector did not verify; the read goes on with the others."""
         with self.cond:
             self.error = error
-            self.progress += 1
-            self.cond.notify()
+            self.last = time.monotonic()
 
     def finish(self) -> bool:
         """The thread is done; returns whether the worker had abandoned it."""
@@ -679,17 +678,16 @@ class SectorFetcher:
         threading.Thread(
             target=self._transfer, args=(t,), name="lazyblock-store-read", daemon=True
         ).start()
-        stalled = 0.0
         with t.cond:
+            # Woken when the read finishes; sectors delivered meanwhile only push the stall
+            # deadline back (a wake-up per sector would cost a thread switch each).
             while not t.finished:
-                seen = t.progress
-                wait = min(self.config.request_timeout, self._left(job))
-                if wait > 0:
-                    t.cond.wait(wait)
-                if not t.finished and t.progress == seen:
+                stalled = time.monotonic() - t.last
+                wait = min(self.config.request_timeout - stalled, self._left(job))
+                if wait <= 0:
                     t.abandoned = True
-                    stalled = max(wait, 0.0)
                     break
+                t.cond.wait(wait)
             left = [n for n in sectors if n not in t.delivered]
             error = t.error
         if t.abandoned:

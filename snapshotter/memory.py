@@ -6,8 +6,8 @@ arenas: a mount server that had streamed a 2 GiB image held ~250 MB where it use
 memory of decoded sectors, its aligned buffers, the interpreter). So a mount server
 (``snapshotter.mountd``) limits glibc to ``ARENAS`` arenas (~200 MB left, no slower) and,
 once its reads have been quiet for ``QUIET_SECONDS`` after a burst, drops the fetcher's
-transfer buffers and has glibc return the pages nothing uses (``malloc_trim``). ``Trimmer`` is the policy, a pure function of a
-counter of work done and the clock.
+transfer buffers and has glibc return the pages nothing uses (``malloc_trim``). ``Trimmer``
+is the policy, a pure function of a counter of work done and the clock.
 """
 
 from __future__ import annotations
