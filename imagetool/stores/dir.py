@@ -60,7 +60,7 @@ class DirStore(Store):
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         where = f"{self.url}: blob {digest}"
-        fd = self._open_range(digest, where, offset, length)
+        fd = self._blob_fd(digest, where, offset, length)
         try:
             parts: list[bytes] = []
             done = 0
@@ -78,9 +78,9 @@ class DirStore(Store):
 
     def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
         where = f"{self.url}: blob {digest}"
-        return _FileBody(where, self._open_range(digest, where, offset, length), offset, length)
+        return _FileBody(where, self._blob_fd(digest, where, offset, length), offset, length)
 
-    def _open_range(self, digest: str, where: str, offset: int, length: int) -> int:
+    def _blob_fd(self, digest: str, where: str, offset: int, length: int) -> int:
         """A descriptor of the blob, checked to hold ``[offset, offset+length)``."""
         check_range(where, offset, length)
         path = self._blob_path(digest)
