@@ -3,7 +3,7 @@
 
     python benchmarks/mount/run.py [--size BYTES] [--work /var/tmp/lazyblock-bench]
         [--rounds N] [--reuse] [--variant NAME=CHECKOUT ...] [--json out.json]
-        [--mount-only] [--mount-repeats N]
+        [--mount-only] [--mount-repeats N] [--link PRESET]
 
 Measures, on the same image:
 * mount time (``snapshotter.mount.mount`` wall time, and the server's own breakdown, by
@@ -52,6 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from ocibuild import DEFAULT_MTIME, write_oci_layout  # noqa: E402
 from support import Registry  # noqa: E402
 
+from benchmarks.coldstart import netns  # noqa: E402
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
 from snapshotter import mount as api  # noqa: E402
@@ -283,6 +284,11 @@ def main() -> int:
     parser.add_argument("--mount-only", action="store_true", help="measure only mount times")
     parser.add_argument("--mount-repeats", type=int, default=3, help="mounts per round (median)")
     parser.add_argument(
+        "--link", choices=sorted(netns.PRESETS), metavar="PRESET",
+        help="serve the store from another network namespace over a shaped link "
+        f"({', '.join(sorted(netns.PRESETS))}) instead of loopback",
+    )  # fmt: skip
+    parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME=DIR",
         help="also measure the snapshotter in DIR (a checkout), interleaved with this one",
     )  # fmt: skip
@@ -295,10 +301,20 @@ def main() -> int:
     t = time.monotonic()
     registry, ref, tree = setup(work, args.size, args.reuse)
     results: dict[str, object] = {"image_bytes": args.size, "setup_seconds": time.monotonic() - t}
+    remote = None
     options = StoreOptions(plain_http=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
     base: dict[str, list[float]] = {"store_MBps": [], "local_seq_MBps": [], "local_rand_MBps": []}
     try:
+        if args.link:
+            # The same registry storage, served from the "remote" namespace.
+            registry.stop()
+            remote = netns.RemoteHost(netns.NetConfig(), work / "remote")
+            remote.up()
+            host = remote.start_registry(work / "registry" / "data")
+            remote.shape(netns.PRESETS[args.link])
+            ref = f"docker://{host}/bench/image:v1"
+            results["link"] = args.link
         with open_image(ref, options) as img:
             results["blob_bytes"] = img.index.blob_size
         for _ in range(args.rounds):
@@ -315,9 +331,13 @@ def main() -> int:
                 if not args.mount_only:
                     out.update(measure(ref, work, options, args.backing))
                 runs[name].append(out)
+            if remote is not None:
+                remote.check()
     finally:
         os.environ.pop("PYTHONPATH", None)
         registry.stop()
+        if remote is not None:
+            remote.close()
     results.update({k: median(v) for k, v in base.items() if v})
     results["rounds"] = args.rounds
     ratio = args.size / results["blob_bytes"]  # type: ignore[operator]
