@@ -9,7 +9,9 @@ everything else (auth challenges and tokens, manifests, uploads, retries with ba
 any answer other than the range asked for) stays with the registry client's httpx.
 
 * Connections are kept per origin (scheme, host, port) and reused once a response was read
-  to its end; a response left before its end closes its connection.
+  to its end; a response left before its end closes its connection. A connection idle for
+  ``KEEPALIVE_EXPIRY`` seconds is closed rather than reused (as httpx does): a server or a
+  middlebox may have dropped it without a word, and a read on it would wait out ``timeout``.
 * A request that fails on a kept connection before any answer (the server closed it while
   it was idle) is sent once more on a new one.
 * Redirects are followed (a registry commonly sends blob reads to object storage), up to
@@ -25,6 +27,7 @@ import http.client
 import logging
 import ssl
 import threading
+import time
 import urllib.request
 from collections.abc import Mapping
 from urllib.parse import urljoin, urlsplit
@@ -32,6 +35,8 @@ from urllib.parse import urljoin, urlsplit
 log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 5
+# Seconds an idle connection is kept for reuse (httpx's default).
+KEEPALIVE_EXPIRY = 5.0
 # Idle connections kept per origin: one per fetch worker of a mount.
 MAX_IDLE = 16
 # Bytes of a redirect's body read so that its connection can be reused; a longer one is
@@ -99,7 +104,8 @@ class RangeClient:
         self.user_agent = user_agent
         self.max_idle = max_idle
         self._lock = threading.Lock()
-        self._idle: dict[_Origin, list[http.client.HTTPConnection]] = {}
+        # per origin: (connection, when it went idle), most recent last
+        self._idle: dict[_Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
         self._closed = False
         self.connections_opened = 0
 
@@ -131,7 +137,7 @@ class RangeClient:
             self._closed = True
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
 
     def __enter__(self) -> RangeClient:
@@ -161,9 +167,15 @@ class RangeClient:
 
     def _take(self, origin: _Origin) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
-            idle = self._idle.get(origin)
-            if idle:
-                return idle.pop(), True
+            idle = self._idle.get(origin, [])
+            now = time.monotonic()
+            expired = [conn for conn, since in idle if now - since >= KEEPALIVE_EXPIRY]
+            idle[:] = [(conn, since) for conn, since in idle if now - since < KEEPALIVE_EXPIRY]
+            kept = idle.pop()[0] if idle else None
+        for conn in expired:
+            conn.close()
+        if kept is not None:
+            return kept, True
         scheme, host, port = origin
         conn: http.client.HTTPConnection
         if scheme == "https":
@@ -182,7 +194,7 @@ class RangeClient:
         with self._lock:
             idle = self._idle.setdefault(origin, [])
             if not self._closed and len(idle) < self.max_idle:
-                idle.append(conn)
+                idle.append((conn, time.monotonic()))
                 return
         conn.close()
 

@@ -113,6 +113,15 @@ def test_redirect_keeps_credentials_at_home(ranges) -> None:
         assert client.connections_opened == 2  # one per origin, both kept
 
 
+def test_connections_idle_too_long_are_not_reused(ranges, monkeypatch) -> None:
+    server = ranges()
+    with _client() as client:
+        assert _read(client, f"http://{server.host}/blob", 0, 5) == BLOB[:5]
+        monkeypatch.setattr("imagetool.rangehttp.KEEPALIVE_EXPIRY", 0.0)
+        assert _read(client, f"http://{server.host}/blob", 5, 5) == BLOB[5:10]
+        assert client.connections_opened == 2
+
+
 def test_connection_closed_while_idle_is_replaced(ranges) -> None:
     server = ranges()
     server.close_after = True
