@@ -32,6 +32,9 @@ import urllib.request
 from collections.abc import Mapping
 from urllib.parse import urljoin, urlsplit
 
+from imagetool.errors import StoreError, StoreTimeoutError
+from imagetool.stores.base import RangeBody
+
 log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 5
@@ -66,6 +69,16 @@ class RangeResponse:
     def header(self, name: str) -> str | None:
         return self._resp.getheader(name)
 
+    def is_range(self, offset: int, length: int) -> bool:
+        """Whether this answers a request for bytes ``[offset, offset+length)`` with just
+        them: 206, that ``Content-Range``, and a body of that length (or a chunked one)."""
+        content_range = (self.header("Content-Range") or "").strip()
+        return (
+            self.status == 206
+            and self.length in (None, length)
+            and content_range.startswith(f"bytes {offset}-{offset + length - 1}/")
+        )
+
     def readinto(self, out: memoryview) -> int:
         """Up to ``len(out)`` bytes of the body into ``out``; 0 at its end. Raises
         ``TimeoutError`` or another ``OSError``/``http.client.HTTPException``."""
@@ -74,6 +87,15 @@ class RangeResponse:
     def read(self, n: int) -> bytes:
         """Up to ``n`` bytes, received into the returned object itself."""
         return self._resp.read(n)
+
+    def read_all(self, n: int, where: str) -> bytes:
+        """``read(n)`` with errors as a store raises them (``where``: for messages)."""
+        try:
+            return self.read(n)
+        except TimeoutError:
+            raise StoreTimeoutError(f"{where}: read timed out") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -108,12 +130,24 @@ class RangeClient:
         self._idle: dict[_Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
         self._closed = False
         self.connections_opened = 0
+        self.disabled: str | None = None  # why the caller stopped asking through this client
+
+    def disable(self, reason: str) -> None:
+        """The caller will stop asking through this client (``get`` then returns None): a
+        server whose successful answers are not what its callers can read directly would
+        cost every read a second request."""
+        if self.disabled is None:
+            self.disabled = reason
+            log.info("ranged reads through httpx from now on: %s", reason)
 
     def get(self, url: str, headers: Mapping[str, str]) -> RangeResponse | None:
         """GET ``url``, following redirects; the final answer, whatever its status (a body
-        to read), or None when a URL on the way is one for a proxy. ``headers`` go with
+        to read), or None when a URL on the way is one for a proxy or the client was
+        disabled. ``headers`` go with
         every hop, ``Authorization`` only to ``url``'s origin. Raises ``TimeoutError``, or
         another ``OSError``/``http.client.HTTPException`` when no answer came."""
+        if self.disabled is not None:
+            return None
         first = _origin(url)
         for _ in range(MAX_REDIRECTS + 1):
             origin = _origin(url)
@@ -197,6 +231,31 @@ class RangeClient:
                 idle.append((conn, time.monotonic()))
                 return
         conn.close()
+
+
+class DirectBody(RangeBody):
+    """A ranged GET's body (``RangeClient``) as a store's ``open_range`` returns it:
+    received straight into the caller's buffers, errors as a store raises them."""
+
+    def __init__(self, resp: RangeResponse, where: str, length: int) -> None:
+        super().__init__(where, length)
+        self._resp = resp
+
+    def _read_some(self, out: memoryview) -> int:
+        try:
+            return self._resp.readinto(out)
+        except TimeoutError:
+            raise StoreTimeoutError(f"{self.where}: read timed out") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreError(f"{self.where}: {type(e).__name__}: {_one_line(e)}") from None
+
+    def close(self) -> None:
+        """The connection goes back to the pool if the range was read to its end."""
+        self._resp.close()
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())
 
 
 def _origin(url: str) -> _Origin:

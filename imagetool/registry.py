@@ -56,7 +56,7 @@ from imagetool.errors import (
     StoreTimeoutError,
 )
 from imagetool.format import check_digest
-from imagetool.rangehttp import RangeClient, RangeResponse
+from imagetool.rangehttp import DirectBody, RangeClient, RangeResponse
 from imagetool.stores.base import BytesBody, RangeBody, StoreOptions
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class RegistryClient:
         direct = self._direct_range(digest, offset, length)
         if direct is not None:
             with direct:
-                data = _read_direct(direct, length, f"{self.where}: {what}")
+                data = direct.read_all(length, f"{self.where}: {what}")
             if len(data) != length:
                 raise StoreError(
                     f"{self.where}: {what}: range {offset}+{length} returned {len(data)} bytes"
@@ -286,7 +286,7 @@ class RegistryClient:
             return BytesBody(f"{self.where}: blob {digest}", b"")
         direct = self._direct_range(digest, offset, length)
         if direct is not None:
-            return _DirectBody(direct, self.where, digest, length)
+            return DirectBody(direct, f"{self.where}: blob {digest}", length)
         return _ResponseBody(self._ranged_get(digest, offset, length), self.where, digest, length)
 
     def _direct_range(self, digest: str, offset: int, length: int) -> RangeResponse | None:
@@ -313,17 +313,15 @@ class RegistryClient:
             log.debug("%s: %s: %s; asking through httpx", self.where, what, _one_line(e))
             return None
         if resp is None:
-            return None  # a proxy's business
-        content_range = resp.header("Content-Range") or ""
-        if (
-            resp.status == 206
-            and resp.length == length
-            and content_range.strip().startswith(f"bytes {offset}-{end}/")
-        ):
+            return None  # a proxy's business, or direct reads were given up
+        if resp.is_range(offset, length):
             return resp
-        log.debug("%s: %s: HTTP %d (%s); asking through httpx", self.where, what, resp.status,
-                  content_range or "no Content-Range")  # fmt: skip
+        answer = f"HTTP {resp.status}, {resp.header('Content-Range') or 'no Content-Range'}"
         resp.close()
+        if resp.status == 200:  # Range ignored: the registry's way, not an error of the moment
+            self._ranges.disable(f"{self.where}: a ranged read got {answer}")
+        else:
+            log.debug("%s: %s: %s; asking through httpx", self.where, what, answer)
         return None
 
     def _check_empty_range(self, digest: str, offset: int) -> None:
@@ -828,35 +826,6 @@ class _ResponseBody(RangeBody):
                         break
         self._pending = memoryview(b"")
         self._resp.close()
-
-
-class _DirectBody(RangeBody):
-    """A ranged GET's body (``RangeClient``), received straight into the caller's buffers."""
-
-    def __init__(self, resp: RangeResponse, where: str, digest: str, length: int) -> None:
-        super().__init__(f"{where}: blob {digest}", length)
-        self._resp = resp
-
-    def _read_some(self, out: memoryview) -> int:
-        try:
-            return self._resp.readinto(out)
-        except TimeoutError:
-            raise StoreTimeoutError(f"{self.where}: read timed out") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise StoreError(f"{self.where}: {type(e).__name__}: {_one_line(e)}") from None
-
-    def close(self) -> None:
-        """The connection goes back to the pool if the range was read to its end."""
-        self._resp.close()
-
-
-def _read_direct(resp: RangeResponse, length: int, where: str) -> bytes:
-    try:
-        return resp.read(length)
-    except TimeoutError:
-        raise StoreTimeoutError(f"{where}: read timed out") from None
-    except (OSError, http.client.HTTPException) as e:
-        raise StoreError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
 
 
 def _basic(creds: tuple[str, str]) -> str:

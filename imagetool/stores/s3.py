@@ -8,12 +8,22 @@ Credentials come from boto3's normal chain; the endpoint can be overridden with 
 environment). S3 makes an object visible only once its upload (single or multipart) has
 completed, so a failed upload leaves no blob behind. Timeouts and retries come from
 ``StoreOptions``; botocore errors are mapped to ``imagetool.errors`` here.
+
+Ranged reads of blobs, the snapshotter's data path, are GETs of a presigned URL (signed
+here, no request) through ``imagetool.rangehttp``, received straight into the caller's
+buffers, when S3 answers with the range; otherwise, and for everything else, boto3. Should
+a presigned read be refused where boto3's own then succeeds (a bucket policy, a signature
+version), or answered otherwise than with the range, presigned reads are given up for
+good.
 """
 
 from __future__ import annotations
 
+import functools
+import http.client
 import io
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +31,7 @@ from typing import Any, NoReturn, TypeVar
 
 import boto3
 import botocore.exceptions
+import botocore.httpsession
 import botocore.loaders
 import botocore.session
 from boto3.exceptions import S3UploadFailedError
@@ -29,6 +40,7 @@ from botocore.config import Config
 
 from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
 from imagetool.format import check_digest, index_media_type, sha256_digest
+from imagetool.rangehttp import DirectBody, RangeClient, RangeResponse
 from imagetool.stores._common import check_publishable, check_range, verify_source
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import check_name_component, check_tag
@@ -40,6 +52,8 @@ log = logging.getLogger(__name__)
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
 UPLOAD_CONCURRENCY = 8
+# Seconds a presigned ranged-read URL is valid: it is used at once.
+PRESIGN_SECONDS = 300
 
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _AUTH = {
@@ -68,6 +82,7 @@ class S3Store(Store):
         self.name = check_name_component(name)
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         config = Config(
+            signature_version="s3v4",  # presigned URLs too (botocore would sign them v2)
             connect_timeout=options.timeout,
             read_timeout=options.timeout,
             retries={"total_max_attempts": options.retries + 1, "mode": "standard"},
@@ -77,6 +92,9 @@ class S3Store(Store):
             multipart_threshold=MULTIPART_THRESHOLD,
             multipart_chunksize=MULTIPART_CHUNK,
             max_concurrency=UPLOAD_CONCURRENCY,
+        )
+        self._ranges = RangeClient(
+            ssl_context=_ssl_context(), timeout=options.timeout, user_agent="lazyblock-imagetool"
         )
 
     # --- keys -----------------------------------------------------------------------------
@@ -114,7 +132,13 @@ class S3Store(Store):
             with self._get_range(key, offset, length) as body:
                 return body.read()
 
-        data = _call_range(where, offset, length, get)
+        direct, refused = self._direct_range(key, offset, length)
+        if direct is not None:
+            with direct:
+                data = direct.read_all(length, where)
+        else:
+            data = _call_range(where, offset, length, get)
+            self._refused(refused)
         if len(data) != length:
             raise StoreError(
                 f"{where}: range {offset}+{length} returned {len(data)} bytes "
@@ -128,8 +152,48 @@ class S3Store(Store):
         key = self._blob_key(digest)
         where = self._where(key)
         check_range(where, offset, length)
+        direct, refused = self._direct_range(key, offset, length)
+        if direct is not None:
+            return DirectBody(direct, where, length)
         body = _call_range(where, offset, length, lambda: self._get_range(key, offset, length))
+        self._refused(refused)
         return _S3Body(where, body, length)
+
+    def _direct_range(self, key: str, offset: int, length: int) -> tuple[RangeResponse | None, str]:
+        """A GET of bytes ``[offset, offset+length)`` (length > 0) of ``key`` through a
+        presigned URL: the response if it is exactly that range, else None (boto3 asks
+        again, and maps errors), with the HTTP answer when there was one. Timeouts are
+        raised here."""
+        if self._ranges.disabled is not None:
+            return None, ""
+        where = self._where(key)
+        try:
+            url = self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key},
+                ExpiresIn=PRESIGN_SECONDS,
+            )  # fmt: skip
+            resp = self._ranges.get(url, {"Range": f"bytes={offset}-{offset + length - 1}"})
+        except TimeoutError:
+            raise StoreTimeoutError(f"{where}: timed out") from None
+        except (OSError, http.client.HTTPException, botocore.exceptions.BotoCoreError) as e:
+            log.debug("%s: presigned read: %s; asking through boto3", where, _one_line(e))
+            return None, ""
+        if resp is None:
+            return None, ""  # a proxy's business, or presigned reads were given up
+        if resp.is_range(offset, length):
+            return resp, ""
+        answer = f"HTTP {resp.status}, {resp.header('Content-Range') or 'no Content-Range'}"
+        resp.close()
+        if resp.status == 200:  # the whole object: Range ignored, every time
+            self._ranges.disable(f"{self.url}: a presigned ranged read got {answer}")
+            return None, ""
+        return None, answer if resp.status >= 300 else ""
+
+    def _refused(self, answer: str) -> None:
+        """boto3 just read a range that a presigned GET was refused (``answer``; "" if
+        none was): presigned reads will not work here."""
+        if answer:
+            self._ranges.disable(f"{self.url}: presigned ranged reads answered {answer}")
 
     def _get_range(self, key: str, offset: int, length: int) -> Any:
         """The streaming body of a ranged GET."""
@@ -217,6 +281,7 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._client.close()
+        self._ranges.close()
 
 
 _session_lock = threading.Lock()
@@ -257,6 +322,20 @@ def _new_client(config: Config) -> Any:
             core.register_component("data_loader", _data_loader())
             boto3.setup_default_session(botocore_session=core)
         return boto3.client("s3", config=config)
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """What boto3 verifies S3 with: ``AWS_CA_BUNDLE``/``ca_bundle`` if configured, else
+    botocore's default bundle."""
+    with _session_lock:
+        session = boto3.DEFAULT_SESSION._session if boto3.DEFAULT_SESSION else None
+    bundle = session.get_config_variable("ca_bundle") if session else None
+    return _ssl_context_for(bundle or botocore.httpsession.get_cert_path(True))
+
+
+@functools.lru_cache(maxsize=4)
+def _ssl_context_for(bundle: str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=bundle)
 
 
 def _call(where: str, fn: Callable[[], T]) -> T:

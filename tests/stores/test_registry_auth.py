@@ -18,7 +18,8 @@ from support import TokenServer, token_auth_registry
 
 from imagetool.errors import AuthError
 from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.registry import RegistryClient, _DirectBody, load_docker_credentials
+from imagetool.rangehttp import DirectBody
+from imagetool.registry import RegistryClient, load_docker_credentials
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import OCI_MANIFEST, RegistryStore
 
@@ -218,7 +219,7 @@ def test_real_registry_token_auth(token_registry, tmp_path: Path, tiny_image) ->
         # Ranged reads go through http.client with the token the challenge got (an answer
         # other than the range would have been asked again through httpx).
         with store.open_range(image.blob_digest, 2, 10) as body:
-            assert isinstance(body, _DirectBody)
+            assert isinstance(body, DirectBody)
             got = bytearray(10)
             body.readinto(memoryview(got))
             assert got == image.blob[2:12]

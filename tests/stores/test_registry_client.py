@@ -245,6 +245,12 @@ def test_range_ignored_is_an_error(blob_server, tmp_path: Path) -> None:
     with _client(blob_server.host, tmp_path) as client:
         with pytest.raises(StoreError, match="ignored the Range header"):
             client.read_range(BLOB_DIGEST, 10, 20)
+        # A successful answer that is not the range: no more direct (http.client) attempts,
+        # each of which would be a wasted request.
+        assert client._ranges.disabled and blob_server.requests == 2
+        with pytest.raises(StoreError, match="ignored the Range header"):
+            client.read_range(BLOB_DIGEST, 10, 20)
+        assert blob_server.requests == 3
 
 
 def test_ranged_read_and_missing(blob_server, tmp_path: Path) -> None:

@@ -95,6 +95,36 @@ def test_s3_multipart_upload(s3_bucket: str, tmp_path: Path) -> None:
         assert "-" in head["ETag"]  # a multipart upload
 
 
+def test_s3_ranged_reads_are_presigned_gets(s3_bucket: str, image, monkeypatch) -> None:
+    from imagetool.rangehttp import DirectBody
+
+    blob = image.blob
+    with S3Store(s3_bucket, "", "app") as store:
+        store.put_blob(image.blob_digest, blob, BLOB_MEDIA_TYPE)
+        with store.open_range(image.blob_digest, 3, 1000) as body:
+            assert isinstance(body, DirectBody)  # received into our buffer by http.client
+            got = bytearray(1000)
+            body.readinto(memoryview(got))
+        assert got == blob[3:1003]
+        assert store.read_range(image.blob_digest, 7, 20) == blob[7:27]
+        assert store._ranges.disabled is None
+        with pytest.raises(StoreError, match="past the end"):
+            store.read_range(image.blob_digest, len(blob) - 5, 10)
+        assert store._ranges.disabled is None  # refused, and so was boto3's own read
+
+        # A presigned read refused where boto3's own succeeds: presigned reads are given up.
+        sign = store._client.generate_presigned_url
+
+        def other_key(op: str, Params: dict, ExpiresIn: int) -> str:  # noqa: N803
+            return sign(op, Params={**Params, "Key": Params["Key"] + "x"}, ExpiresIn=ExpiresIn)
+
+        monkeypatch.setattr(store._client, "generate_presigned_url", other_key)
+        assert store.read_range(image.blob_digest, 7, 20) == blob[7:27]
+        assert store._ranges.disabled and "HTTP 404" in store._ranges.disabled
+        with store.open_range(image.blob_digest, 3, 10) as body:
+            assert not isinstance(body, DirectBody)
+
+
 def test_s3_missing_bucket(s3_server: str) -> None:
     with S3Store("lb-no-such-bucket", "p", "app") as store:
         assert not store.has_blob("sha256:" + "0" * 64)
