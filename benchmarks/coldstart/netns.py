@@ -63,6 +63,9 @@ PRESETS: dict[str, Preset] = {
         Preset("1g-1ms", 1000.0, 1.0),  # same-region registry / pull-through cache
         Preset("200m-20ms", 200.0, 20.0),  # cross-region registry
         Preset("none", None, 0.0),  # CI smoke test: veth only
+        # bandwidth only: where the mount benchmark's cold reads stop keeping up with the link
+        Preset("2g", 2000.0, 0.0),
+        Preset("4g", 4000.0, 0.0),
     )
 }
 
