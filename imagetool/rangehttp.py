@@ -166,6 +166,33 @@ class RangeClient:
             url = urljoin(url, location)
         raise http.client.HTTPException(f"more than {MAX_REDIRECTS} redirects")
 
+    def get_range(
+        self, url: str, offset: int, length: int, headers: Mapping[str, str], where: str
+    ) -> tuple[RangeResponse | None, str]:
+        """GET bytes ``[offset, offset+length)`` (length > 0) of ``url``: the response if it
+        is exactly that range (``RangeResponse.is_range``), else None and the error that
+        came instead ("HTTP status, Content-Range"; "" if it was a success, if no answer
+        came, the URL is one for a proxy or the client was disabled), for the caller to ask
+        again its own way (a 206 of another range: the range runs past the end). A 200
+        (the Range ignored: the server's way, not an error of the moment) disables the
+        client. Raises ``StoreTimeoutError`` when no answer came in time (``where``: for
+        messages)."""
+        try:
+            resp = self.get(url, {**headers, "Range": f"bytes={offset}-{offset + length - 1}"})
+        except TimeoutError:
+            raise StoreTimeoutError(f"{where}: no answer within {self.timeout:g}s") from None
+        except (OSError, http.client.HTTPException) as e:
+            log.debug("%s: %s; asking again", where, _one_line(e))
+            return None, ""
+        if resp is None or resp.is_range(offset, length):
+            return resp, ""
+        answer = f"HTTP {resp.status}, {resp.header('Content-Range') or 'no Content-Range'}"
+        resp.close()
+        if resp.status == 200:
+            self.disable(f"{where}: a ranged read got {answer}")
+        log.debug("%s: %s; asking again", where, answer)
+        return None, answer if resp.status >= 300 else ""
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

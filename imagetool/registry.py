@@ -28,7 +28,6 @@ import base64
 import contextlib
 import functools
 import hashlib
-import http.client
 import io
 import json
 import logging
@@ -295,34 +294,14 @@ class RegistryClient:
         httpx, which answers auth challenges, retries with backoff, and maps errors (so an
         answer other than the range costs a second request). Timeouts are raised here."""
         check_digest(digest)
-        what = f"blob {digest}"
         if offset < 0:
             return None  # _ranged_get says why
-        end = offset + length - 1
-        headers = {"Range": f"bytes={offset}-{end}"}
         auth = self._auth_header(push=False)
-        if auth:
-            headers["Authorization"] = auth
-        try:
-            resp = self._ranges.get(f"{self.base}/blobs/{digest}", headers)
-        except TimeoutError:
-            raise StoreTimeoutError(
-                f"{self.where}: {what}: no answer within {self.options.timeout:g}s"
-            ) from None
-        except (OSError, http.client.HTTPException) as e:
-            log.debug("%s: %s: %s; asking through httpx", self.where, what, _one_line(e))
-            return None
-        if resp is None:
-            return None  # a proxy's business, or direct reads were given up
-        if resp.is_range(offset, length):
-            return resp
-        answer = f"HTTP {resp.status}, {resp.header('Content-Range') or 'no Content-Range'}"
-        resp.close()
-        if resp.status == 200:  # Range ignored: the registry's way, not an error of the moment
-            self._ranges.disable(f"{self.where}: a ranged read got {answer}")
-        else:
-            log.debug("%s: %s: %s; asking through httpx", self.where, what, answer)
-        return None
+        resp, _ = self._ranges.get_range(
+            f"{self.base}/blobs/{digest}", offset, length,
+            {"Authorization": auth} if auth else {}, f"{self.where}: blob {digest}",
+        )  # fmt: skip
+        return resp
 
     def _check_empty_range(self, digest: str, offset: int) -> None:
         check_digest(digest)

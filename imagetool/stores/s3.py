@@ -20,7 +20,6 @@ good.
 from __future__ import annotations
 
 import functools
-import http.client
 import io
 import logging
 import ssl
@@ -161,9 +160,9 @@ class S3Store(Store):
 
     def _direct_range(self, key: str, offset: int, length: int) -> tuple[RangeResponse | None, str]:
         """A GET of bytes ``[offset, offset+length)`` (length > 0) of ``key`` through a
-        presigned URL: the response if it is exactly that range, else None (boto3 asks
-        again, and maps errors), with the HTTP answer when there was one. Timeouts are
-        raised here."""
+        presigned URL (``RangeClient.get_range``): the response if it is exactly that
+        range, else None (boto3 asks again, and maps errors) and the answer that came
+        instead. Timeouts are raised here."""
         if self._ranges.disabled is not None:
             return None, ""
         where = self._where(key)
@@ -172,22 +171,10 @@ class S3Store(Store):
                 "get_object", Params={"Bucket": self.bucket, "Key": key},
                 ExpiresIn=PRESIGN_SECONDS,
             )  # fmt: skip
-            resp = self._ranges.get(url, {"Range": f"bytes={offset}-{offset + length - 1}"})
-        except TimeoutError:
-            raise StoreTimeoutError(f"{where}: timed out") from None
-        except (OSError, http.client.HTTPException, botocore.exceptions.BotoCoreError) as e:
-            log.debug("%s: presigned read: %s; asking through boto3", where, _one_line(e))
+        except botocore.exceptions.BotoCoreError as e:  # boto3's own call will say why
+            log.debug("%s: cannot presign: %s", where, _one_line(e))
             return None, ""
-        if resp is None:
-            return None, ""  # a proxy's business, or presigned reads were given up
-        if resp.is_range(offset, length):
-            return resp, ""
-        answer = f"HTTP {resp.status}, {resp.header('Content-Range') or 'no Content-Range'}"
-        resp.close()
-        if resp.status == 200:  # the whole object: Range ignored, every time
-            self._ranges.disable(f"{self.url}: a presigned ranged read got {answer}")
-            return None, ""
-        return None, answer if resp.status >= 300 else ""
+        return self._ranges.get_range(url, offset, length, {}, where)
 
     def _refused(self, answer: str) -> None:
         """boto3 just read a range that a presigned GET was refused (``answer``; "" if
