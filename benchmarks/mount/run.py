@@ -23,7 +23,10 @@ Measures, on the same image:
 The machine is shared, so everything is measured in the same run: ``--rounds`` repeats the
 whole set, interleaving the references with each ``--variant`` (another checkout of the
 snapshotter, e.g. the last commit, run through ``PYTHONPATH``), and reports medians.
-``--reuse`` keeps the image, its layout and the registry of an earlier run.
+``--reuse`` keeps the image, its layout and the registry of an earlier run. ``--link
+PRESET`` serves the same registry storage from the cold-start benchmark's "remote" network
+namespace behind a shaped link (``benchmarks/coldstart/netns.py``: ``1g-1ms``, ``2g``,
+``4g``, ...) instead of loopback, where the registry shares the mount's CPUs.
 
 Targets: mount < 0.5 s whatever the size; warm >= 70% of local disk; cold sequential >= 70%
 of the store's own throughput. The store serves compressed blob bytes and a read through the
