@@ -29,7 +29,7 @@ import ssl
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urljoin, urlsplit
 
 from imagetool.errors import StoreError, StoreTimeoutError
@@ -118,10 +118,10 @@ class RangeClient:
     """GETs through kept ``http.client`` connections (thread-safe)."""
 
     def __init__(
-        self, *, ssl_context: ssl.SSLContext, timeout: float, user_agent: str,
+        self, *, ssl_context: Callable[[], ssl.SSLContext], timeout: float, user_agent: str,
         max_idle: int = MAX_IDLE,
     ) -> None:  # fmt: skip
-        self.ssl_context = ssl_context
+        self.ssl_context = ssl_context  # called per https connection (callers cache it)
         self.timeout = timeout
         self.user_agent = user_agent
         self.max_idle = max_idle
@@ -241,7 +241,7 @@ class RangeClient:
         conn: http.client.HTTPConnection
         if scheme == "https":
             conn = http.client.HTTPSConnection(
-                host, port, timeout=self.timeout, context=self.ssl_context
+                host, port, timeout=self.timeout, context=self.ssl_context()
             )
         else:
             conn = http.client.HTTPConnection(host, port, timeout=self.timeout)

@@ -189,7 +189,7 @@ class RegistryClient:
         # range asked for (``_direct_range``): read into the caller's buffers, a quarter of
         # httpx's CPU per byte.
         self._ranges = RangeClient(
-            ssl_context=default_ssl_context(), timeout=options.timeout, user_agent=USER_AGENT
+            ssl_context=default_ssl_context, timeout=options.timeout, user_agent=USER_AGENT
         )
         self._credentials: tuple[str, str] | None = None
         self._credentials_loaded = False

@@ -93,7 +93,7 @@ class S3Store(Store):
             max_concurrency=UPLOAD_CONCURRENCY,
         )
         self._ranges = RangeClient(
-            ssl_context=_ssl_context(), timeout=options.timeout, user_agent="lazyblock-imagetool"
+            ssl_context=_ssl_context, timeout=options.timeout, user_agent="lazyblock-imagetool"
         )
 
     # --- keys -----------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def _new_client(config: Config) -> Any:
 
 def _ssl_context() -> ssl.SSLContext:
     """What boto3 verifies S3 with: ``AWS_CA_BUNDLE``/``ca_bundle`` if configured, else
-    botocore's default bundle."""
+    botocore's default bundle (loading one takes ~30 ms: done at the first https read)."""
     with _session_lock:
         session = boto3.DEFAULT_SESSION._session if boto3.DEFAULT_SESSION else None
     bundle = session.get_config_variable("ca_bundle") if session else None

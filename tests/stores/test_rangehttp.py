@@ -61,7 +61,7 @@ def ranges(http_server: Callable) -> Iterator[Callable[[], type[_Ranges]]]:
 
 
 def _client(timeout: float = 5.0) -> RangeClient:
-    return RangeClient(ssl_context=default_ssl_context(), timeout=timeout, user_agent="test")
+    return RangeClient(ssl_context=default_ssl_context, timeout=timeout, user_agent="test")
 
 
 def _read(client: RangeClient, url: str, offset: int, length: int, **headers: str) -> bytes:
