@@ -352,15 +352,27 @@ def _call(where: str, fn: Callable[[], T]) -> T:
         raise StoreError(f"{where}: {_one_line(e)}") from None
 
 
+class _PastEnd(Exception):
+    """S3 answered a ranged GET with InvalidRange (416)."""
+
+
 def _call_range(where: str, offset: int, length: int, fn: Callable[[], T]) -> T:
-    """``_call`` for a ranged read: a range past the end of the blob says so."""
+    """``_call`` for a ranged read: a range past the end of the blob says so. Told by the
+    error's code and status (the message names the bucket and key, which may hold "416")."""
+
+    def checked() -> T:
+        try:
+            return fn()
+        except botocore.exceptions.ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if e.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416:
+                raise _PastEnd from None
+            raise
+
     try:
-        return _call(where, fn)
-    except StoreError as e:
-        if "InvalidRange" in str(e) or "416" in str(e):
-            past = f"{where}: range {offset}+{length} is past the end of the blob"
-            raise StoreError(past) from None
-        raise
+        return _call(where, checked)
+    except _PastEnd:
+        raise StoreError(f"{where}: range {offset}+{length} is past the end of the blob") from None
 
 
 class _S3Body(RangeBody):

@@ -125,6 +125,23 @@ def test_s3_ranged_reads_are_presigned_gets(s3_bucket: str, image, monkeypatch) 
             assert not isinstance(body, DirectBody)
 
 
+def test_s3_missing_blob_in_a_bucket_named_416(s3_server: str, image) -> None:
+    # "past the end" is told by S3's error code, not by "416" anywhere in the message (which
+    # names the bucket): this bucket's missing blob is missing, not a range past its end.
+    import uuid
+
+    import boto3
+
+    bucket = f"lb-416-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    with S3Store(bucket, "", "app") as store:
+        with pytest.raises(NotFoundError):
+            store.read_range("sha256:" + "0" * 64, 0, 10)
+        store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+        with pytest.raises(StoreError, match="past the end"):
+            store.read_range(image.blob_digest, len(image.blob) + 5, 10)
+
+
 def test_s3_missing_bucket(s3_server: str) -> None:
     with S3Store("lb-no-such-bucket", "p", "app") as store:
         assert not store.has_blob("sha256:" + "0" * 64)
