@@ -138,14 +138,14 @@ class RangeClient:
         cost every read a second request."""
         if self.disabled is None:
             self.disabled = reason
-            log.info("ranged reads through httpx from now on: %s", reason)
+            log.info("ranged reads through the store's own client from now on: %s", reason)
 
     def get(self, url: str, headers: Mapping[str, str]) -> RangeResponse | None:
         """GET ``url``, following redirects; the final answer, whatever its status (a body
         to read), or None when a URL on the way is one for a proxy or the client was
-        disabled. ``headers`` go with
-        every hop, ``Authorization`` only to ``url``'s origin. Raises ``TimeoutError``, or
-        another ``OSError``/``http.client.HTTPException`` when no answer came."""
+        disabled. ``headers`` go with every hop, ``Authorization`` only to ``url``'s origin.
+        Raises ``TimeoutError``, or another ``OSError``/``http.client.HTTPException`` when no
+        answer came."""
         if self.disabled is not None:
             return None
         first = _origin(url)
