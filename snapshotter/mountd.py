@@ -414,7 +414,7 @@ def run(
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
     raise_open_file_limit()
-    memory.limit_arenas()
+    memory.tune()
     server = MountServer(ref, mountpoint, config, launch, sent_at)
     # Installed before libfuse starts, so libfuse leaves these signals to us.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
