@@ -385,6 +385,13 @@ class RemoteHost:
         self._wait_registry()
         return self.registry_host
 
+    @property
+    def registry_pid(self) -> int:
+        """The registry's process (``ip netns exec`` execs it: the same pid)."""
+        if self._registry is None:
+            raise NetError("no registry started")
+        return self._registry.pid
+
     def _wait_registry(self, timeout: float = 20.0) -> None:
         import socket
 

@@ -32,6 +32,15 @@ Targets: mount < 0.5 s whatever the size; warm >= 70% of local disk; cold sequen
 of the store's own throughput. The store serves compressed blob bytes and a read through the
 mount returns image bytes, so cold sequential is reported both ways (``cold_seq_MBps``: image
 bytes, ``cold_seq_blob_MBps``: the blob bytes that took).
+
+CPU: the cold sequential pass and the store reference also record the CPU seconds their
+processes used, per GB (``cold_seq_cpu``: of image; ``store_cpu``: of blob): the mount
+server, the registry, the reader (this process), and the whole machine (``machine``: every
+busy CPU; ``busy``: its share of all CPUs). ``cold_seq_cpu_bound_MBps`` is the cold
+sequential throughput at which the pass's CPU per GB would keep every CPU busy, and
+``cold_seq_cpu_per_GB_for_target`` the machine CPU per GB of image a pass may use at most to
+reach 70 % of the store on this machine's CPUs: where the first is below the target, a pass
+is limited by CPU, not by waiting.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +80,47 @@ RANDOM_COUNT = 2000
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user and system, all threads) process ``pid`` has used; 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot (idle and iowait not busy)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(ticks[:8])  # guest time is already counted in user
+    hz = os.sysconf("SC_CLK_TCK")
+    return (total - ticks[3] - ticks[4]) / hz, total / hz
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds used between ``start`` and ``stop``: by the named processes, by this one
+    (``reader``), and by the whole machine (``machine``; ``busy``: its share of all CPUs)."""
+
+    pids: dict[str, int]
+
+    def start(self) -> CpuMeter:
+        self._procs = {name: _process_cpu(pid) for name, pid in self.pids.items()}
+        self._self = sum(os.times()[:2])
+        self._machine = _machine_cpu()
+        return self
+
+    def stop(self, gigabytes: float) -> dict[str, float]:
+        """Seconds per GB of ``gigabytes`` (and ``busy``, a fraction)."""
+        used = {name: _process_cpu(pid) - self._procs[name] for name, pid in self.pids.items()}
+        used["reader"] = sum(os.times()[:2]) - self._self
+        busy, total = (a - b for a, b in zip(_machine_cpu(), self._machine, strict=True))
+        used["machine"] = busy
+        out = {name: seconds / gigabytes for name, seconds in used.items()}
+        out["busy"] = busy / total if total else 0.0
+        return out
 
 
 def make_tree(root: Path, total: int) -> None:
@@ -137,18 +188,30 @@ def rand_read(root: Path, seed: int = 7) -> float:
     return total / elapsed / 1e6
 
 
-def store_throughput(ref: str, options: StoreOptions, parallel: int = 8) -> float:
-    """MB/s the store serves: the whole data blob in 16 MiB ranged reads, ``parallel`` at once."""
+def store_throughput(
+    ref: str,
+    options: StoreOptions,
+    parallel: int = 8,
+    cpu: dict[str, float] | None = None,
+    pids: dict[str, int] | None = None,
+) -> float:
+    """MB/s the store serves: the whole data blob in 16 MiB ranged reads, ``parallel`` at
+    once; ``cpu`` (if given) receives ``CpuMeter``'s figures per GB of blob, ``pids`` the
+    processes it names."""
     with open_image(ref, options) as img:
         size = img.index.blob_size
         digest = img.index.blob_digest
         chunks = [(o, min(16 * MIB, size - o)) for o in range(0, size, 16 * MIB)]
+        meter = CpuMeter(pids or {}).start()
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             total = sum(
                 len(b) for b in pool.map(lambda c: img.store.read_range(digest, *c), chunks)
             )
-        return total / (time.monotonic() - start) / 1e6
+        elapsed = time.monotonic() - start
+        if cpu is not None:
+            cpu.update(meter.stop(total / 1e9))
+        return total / elapsed / 1e6
 
 
 def setup(work: Path, size: int, reuse: bool) -> tuple[Registry, str, Path]:
@@ -191,9 +254,12 @@ def measure_mount(ref: str, work: Path, backing: str, repeats: int) -> dict[str,
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def measure(ref: str, work: Path, options: StoreOptions, backing: str) -> dict[str, object]:
+def measure(
+    ref: str, work: Path, options: StoreOptions, backing: str, pids: dict[str, int]
+) -> dict[str, object]:
     """One pass of reads over the mount with the snapshotter code on ``PYTHONPATH`` (the
-    server started as a new interpreter, so that it is that checkout's)."""
+    server started as a new interpreter, so that it is that checkout's); ``pids``: other
+    processes whose CPU the cold sequential pass records (the registry)."""
     out: dict[str, object] = {}
     mnt = work / "mnt"
     mnt.mkdir(exist_ok=True)
@@ -204,13 +270,15 @@ def measure(ref: str, work: Path, options: StoreOptions, backing: str) -> dict[s
     api.unmount(mnt, cfg)
     _reset_loop_devices()
     try:
-        api.mount(ref, mnt, cfg, fork_server=False)
+        server = api.mount(ref, mnt, cfg, fork_server=False)
         stats = api.stats(mnt, cfg)
         out["backing"] = stats["backing"]
         out["read_ahead_kb"] = _read_ahead_kb(mnt)
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
         drop_caches()
+        meter = CpuMeter({"mount_server": server.pid, **pids}).start()
         out["cold_seq_MBps"] = seq_read(mnt)
+        out["cold_seq_cpu"] = meter.stop(sum(p.stat().st_size for p in files_of(mnt)) / 1e9)
         stats = api.stats(mnt, cfg)
         fetch = stats["fetch"]
         out["cold_fetch"] = {k: v for k, v in fetch.items() if not isinstance(v, dict)}
@@ -276,6 +344,11 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def _median_of(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Key by key medians of rows with the same keys."""
+    return {k: median([row[k] for row in rows]) for k in rows[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=2 << 30, help="image bytes (default 2 GiB)")
@@ -308,6 +381,8 @@ def main() -> int:
     options = StoreOptions(plain_http=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
     base: dict[str, list[float]] = {"store_MBps": [], "local_seq_MBps": [], "local_rand_MBps": []}
+    store_cpu: list[dict[str, float]] = []
+    pids = {"registry": registry.proc.pid}
     try:
         if args.link:
             # The same registry storage, served from the "remote" namespace.
@@ -318,12 +393,16 @@ def main() -> int:
             remote.shape(netns.PRESETS[args.link])
             ref = f"docker://{host}/bench/image:v1"
             results["link"] = args.link
+            pids = {"registry": remote.registry_pid}
         with open_image(ref, options) as img:
             results["blob_bytes"] = img.index.blob_size
         for _ in range(args.rounds):
             if not args.mount_only:
                 drop_caches()
-                base["store_MBps"].append(store_throughput(ref, options))
+                store_cpu.append({})
+                base["store_MBps"].append(
+                    store_throughput(ref, options, cpu=store_cpu[-1], pids=pids)
+                )
                 drop_caches()
                 base["local_seq_MBps"].append(seq_read(tree))
                 drop_caches()
@@ -332,7 +411,7 @@ def main() -> int:
                 os.environ["PYTHONPATH"] = path
                 out = measure_mount(ref, work, args.backing, args.mount_repeats)
                 if not args.mount_only:
-                    out.update(measure(ref, work, options, args.backing))
+                    out.update(measure(ref, work, options, args.backing, pids))
                 runs[name].append(out)
             if remote is not None:
                 remote.check()
@@ -342,6 +421,8 @@ def main() -> int:
         if remote is not None:
             remote.close()
     results.update({k: median(v) for k, v in base.items() if v})
+    if store_cpu:
+        results["store_cpu"] = _median_of(store_cpu)
     results["rounds"] = args.rounds
     ratio = args.size / results["blob_bytes"]  # type: ignore[operator]
     for name, passes in runs.items():
@@ -358,6 +439,11 @@ def main() -> int:
         if args.mount_only:
             results[name] = r
             continue
+        r["cold_seq_cpu"] = cpu = _median_of([p["cold_seq_cpu"] for p in passes])  # type: ignore[misc]
+        cpus = os.cpu_count() or 1
+        r["cold_seq_cpu_bound_MBps"] = cpus / cpu["machine"] * 1e3
+        target = 0.7 * results["store_MBps"] / 1e3  # type: ignore[operator]  # GB/s of image
+        r["cold_seq_cpu_per_GB_for_target"] = cpus / target
         r["cold_fetch"] = passes[-1]["cold_fetch"]
         r["backing"] = passes[-1]["backing"]
         r["read_ahead_kb"] = passes[-1]["read_ahead_kb"]
