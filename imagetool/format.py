@@ -90,7 +90,7 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def sector_checksum(data: bytes) -> str:
+def sector_checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
@@ -275,6 +275,23 @@ class Index:
         except ChecksumError as e:
             raise ChecksumError(f"sector {number}: {e}") from None
 
+    def decode_sector_into(self, number: int, stored: bytes | memoryview, out: memoryview) -> None:
+        """``decode_sector`` into ``out`` (exactly the sector's size, not all zeros): the
+        caller's memory instead of new bytes. Raises ``ChecksumError`` as ``decode_sector``
+        does, and then what ``out`` holds is not the sector: it must not be used."""
+        entry = self.sectors[number]
+        _, size = self.sector_span(number)
+        if entry.is_zero or len(out) != size:
+            raise ValueError(f"sector {number}: {len(out)} bytes of room, not {size} stored")
+        if len(stored) != entry.length:
+            raise ChecksumError(
+                f"sector {number}: got {len(stored)} stored bytes, expected {entry.length}"
+            )
+        try:
+            decode_stored_into(stored, entry.checksum, out)
+        except ChecksumError as e:
+            raise ChecksumError(f"sector {number}: {e}") from None
+
     # --- files ----------------------------------------------------------------------------
 
     def files_in_range(self, offset: int, length: int) -> Iterator[FileExtent]:
@@ -443,6 +460,22 @@ def decode_stored(stored: bytes, checksum: str, size: int | None = None) -> byte
     if (size is not None and len(data) != size) or sector_checksum(data) != checksum:
         raise ChecksumError("checksum mismatch")
     return data
+
+
+def decode_stored_into(stored: bytes | memoryview, checksum: str, out: memoryview) -> None:
+    """``decode_stored`` into ``out``, whose length is the sector's size: its stored bytes
+    must decode to exactly that many bytes, which hash to ``checksum``. On
+    ``ChecksumError``, ``out`` holds no sector."""
+    done = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False)
+        while done < len(out) and (got := reader.readinto(out[done:])):
+            done += got
+        longer = bool(reader.read(1))
+    except zstandard.ZstdError as e:
+        raise ChecksumError(f"undecodable ({e})") from None
+    if done != len(out) or longer or sector_checksum(out) != checksum:
+        raise ChecksumError("checksum mismatch")
 
 
 def coalesce(numbers: Iterable[int]) -> list[range]:

@@ -26,7 +26,8 @@ in full first: a random reader of a warm cache paid 32x its bytes). An entry tha
 check is a logged miss and is deleted; it is never returned.
 
 Direct I/O. Entries are written, and read for random reads, with ``O_DIRECT`` (through
-reused page-aligned buffers) where the file system allows it (not tmpfs): the kernel caches
+reused page-aligned buffers, or an ``EntryBuffer`` the sector was decoded into, which is
+written as it is) where the file system allows it (not tmpfs): the kernel caches
 the image's pages once, in the erofs mount above the FUSE file; a second copy of the same
 bytes in the page cache of the entry files would double the memory a warm image takes and
 cost a page-cache fill per read (on a random read of a warm cache that fill was a fifth of
@@ -63,6 +64,7 @@ directory as a whole). Within a process every method is thread-safe.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -195,6 +197,41 @@ def entry_trailer(checksum: str, size: int, digests: bytes, block: int = VERIFY_
 def entry_file_size(size: int, block: int = VERIFY_BLOCK) -> int:
     """Bytes on disk of the entry of a ``size``-byte sector (what counts against the cap)."""
     return _aligned(size) + _aligned(-(-size // block) * 8 + _FOOTER.size)
+
+
+# A bytearray whose bytes are not zeroed first (``bytearray(n)`` writes n zeros; the sector
+# bytes are about to be written over them anyway).
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_new_bytearray.restype = ctypes.py_object
+
+
+class EntryBuffer:
+    """Memory laid out as a cache entry: ``data`` (``size`` sector bytes, to be filled by
+    the caller) starts on an ``ALIGN`` boundary and the rest of the entry fits after it, so
+    ``SectorCache.put`` writes the entry from here with direct I/O, where other bytes are
+    first copied into an aligned buffer (a copy of every fetched sector). Freed with the
+    last reference to ``data`` (or to a view of it)."""
+
+    __slots__ = ("size", "data", "_entry")
+
+    def __init__(self, size: int) -> None:
+        total = entry_file_size(size)
+        raw = _new_bytearray(None, total + ALIGN)
+        start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
+        self.size = size
+        self._entry = memoryview(raw)[start : start + total]
+        self.data = self._entry[:size]
+
+    def entry(self, trailer: bytes) -> memoryview:
+        """The whole entry: the sector bytes, zeros to an ``ALIGN`` boundary, ``trailer``."""
+        start = _aligned(self.size)
+        total = start + len(trailer)
+        if total != len(self._entry):
+            raise ValueError(f"trailer of {len(trailer)} bytes for a {self.size}-byte entry")
+        self._entry[self.size : start] = bytes(start - self.size)
+        self._entry[start:total] = trailer
+        return self._entry
 
 
 class _File:
@@ -421,13 +458,20 @@ class SectorCache:
 
     # --- writes ---------------------------------------------------------------------------
 
-    def put(self, checksum: str, data: bytes, verified: bool = False) -> bool:
+    def put(
+        self, checksum: str, data: bytes | memoryview | EntryBuffer, verified: bool = False
+    ) -> bool:
         """Store a sector's uncompressed bytes under its checksum. Bytes that do not hash
         to ``checksum`` are refused (this costs a hash, ~0.5 ms per 4 MiB, and keeps the
         block digests honest); ``verified``: the caller has just hashed these very bytes
-        (``Index.decode_sector`` returned them), so they are not hashed again. Returns
-        whether the entry is now cached; never raises for lack of room or a failing disk."""
+        (``Index.decode_sector`` returned them), so they are not hashed again. An
+        ``EntryBuffer`` is written from where it is (its bytes must not change until this
+        returns). Returns whether the entry is now cached; never raises for lack of room or
+        a failing disk."""
         check_checksum(checksum)
+        held = data
+        if isinstance(data, EntryBuffer):
+            data = data.data
         if not verified and xxhash.xxh3_128_hexdigest(data) != checksum:
             self.metrics.put_failures.inc()
             log.error("sector cache: bytes put as %s do not hash to it; not cached", checksum)
@@ -446,7 +490,7 @@ class SectorCache:
         tmp = None
         for attempt in (1, 2):
             try:
-                tmp = self._write_tmp(data, trailer)
+                tmp = self._write_tmp(held, trailer)
                 break
             except OSError as e:
                 if e.errno not in _DISK_FULL or attempt == 2:
@@ -805,10 +849,21 @@ class SectorCache:
 
     # --- internals: writes ----------------------------------------------------------------
 
-    def _write_tmp(self, data: bytes, trailer: bytes) -> Path:
+    def _write_tmp(self, data: bytes | memoryview | EntryBuffer, trailer: bytes) -> Path:
         """Write an entry file (``data``, zeros to a page boundary, ``trailer``) in
         ``wip/``; returns its path. Not fsynced: see the module's docstring."""
         fd, name = tempfile.mkstemp(dir=self._wip)
+        if isinstance(data, EntryBuffer):
+            try:
+                view = data.entry(trailer)
+                if not self._write_direct(fd, view):
+                    _write_all(fd, view)
+            except BaseException:
+                _unlink(Path(name))
+                raise
+            finally:
+                os.close(fd)
+            return Path(name)
         size = len(data)
         start = _aligned(size)
         total = start + len(trailer)

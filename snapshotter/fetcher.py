@@ -65,11 +65,15 @@ from imagetool.errors import (
 )
 from imagetool.format import Index, blob_range, coalesce
 from imagetool.stores.base import Store
-from snapshotter.cache import SectorCache
+from snapshotter.cache import EntryBuffer, SectorCache
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
 from snapshotter.metrics import Counter, MountMetrics
 
 log = logging.getLogger(__name__)
+
+# A sector's decoded, verified bytes: ``bytes``, or a read-only view of the memory a fetched
+# sector was decoded into (freed with the last reference to it).
+SectorBytes = bytes | memoryview
 
 # Seconds a reader waits for a sector whose fetch missed its deadline moments ago (see
 # FetchConfig.timeout_memory): long enough for a store that is back to deliver, short enough
@@ -167,7 +171,7 @@ class _Flight:
     def __init__(self, job: _Job) -> None:
         self.job = job
         self.done = threading.Event()
-        self.data: bytes | None = None
+        self.data: SectorBytes | None = None
         self.error: BaseException | None = None
 
 
@@ -238,7 +242,7 @@ class SectorFetcher:
         self._timed_out: dict[str, float] = {}  # checksum -> when its fetch missed a deadline
         self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
-        self._listeners: list[Callable[[int, bytes], None]] = []
+        self._listeners: list[Callable[[int, SectorBytes], None]] = []
         # Transfer buffers (``_take_buffer``): one per request in flight, kept for reuse.
         self._buffer_size = max((s.length for s in index.sectors), default=0)
         self._buffers: list[bytearray] = []
@@ -258,7 +262,7 @@ class SectorFetcher:
         numbers: Iterable[int],
         deadline: float | None = None,
         priority: Priority = Priority.DEMAND,
-    ) -> dict[int, bytes]:
+    ) -> dict[int, SectorBytes]:
         """Decoded, verified bytes of each sector in ``numbers``.
 
         ``deadline`` is a ``time.monotonic()`` value (default: now + ``config.deadline``).
@@ -316,7 +320,7 @@ class SectorFetcher:
         self.metrics.cache_hits.inc()
         return True
 
-    def on_fetched(self, callback: Callable[[int, bytes], None]) -> None:
+    def on_fetched(self, callback: Callable[[int, SectorBytes], None]) -> None:
         """Call ``callback(n, data)`` with every sector fetched from the store and verified,
         whoever asked for it (read-ahead and prefetch too), on the fetching thread, before
         the sector is written to the cache: the reader keeps the latest in memory."""
@@ -410,9 +414,11 @@ class SectorFetcher:
 
     # --- the read side --------------------------------------------------------------------
 
-    def _get(self, wanted: list[int], deadline: float, priority: Priority) -> dict[int, bytes]:
+    def _get(
+        self, wanted: list[int], deadline: float, priority: Priority
+    ) -> dict[int, SectorBytes]:
         index, sectors = self.index, self.index.sectors
-        result: dict[int, bytes] = {}
+        result: dict[int, SectorBytes] = {}
         stored = []
         for n in wanted:
             if sectors[n].is_zero:
@@ -729,8 +735,10 @@ class SectorFetcher:
                     self.metrics.bytes_fetched.inc(entry.length)
                     if n not in wanted:
                         continue
+                    # Decoded straight into the memory its cache entry is written from.
+                    decoded = EntryBuffer(index.sector_span(n)[1])
                     try:
-                        decoded = index.decode_sector(n, view)
+                        index.decode_sector_into(n, view, decoded.data)
                     except ChecksumError as e:
                         self.metrics.checksum_errors.inc()
                         log.warning("%s from %s; refetching", e, self.store.url)
@@ -771,23 +779,25 @@ class SectorFetcher:
             if len(self._buffers) < self.config.max_parallel:
                 self._buffers.append(buf)
 
-    def _deliver(self, n: int, data: bytes) -> None:
-        """A sector fetched and verified: to the listeners, the cache and its readers."""
+    def _deliver(self, n: int, sector: EntryBuffer) -> None:
+        """A sector fetched and verified: to the listeners, the cache and its readers (a
+        read-only view of its bytes)."""
         with self._lock:
             self._timed_out.clear()  # the store answers again
         self.metrics.sectors_fetched.inc()
+        data = sector.data.toreadonly()
         for callback in self._listeners:
             callback(n, data)
-        self._cache_put(self.index.sectors[n].checksum, data)
+        self._cache_put(self.index.sectors[n].checksum, sector)
         self._complete(n, data)
 
-    def _cache_put(self, checksum: str, data: bytes) -> None:
+    def _cache_put(self, checksum: str, data: EntryBuffer) -> None:
         try:
             self.cache.put(checksum, data, verified=True)  # decode_sector checked it
         except Exception:  # caching is best effort; the read goes on
             log.exception("sector cache put failed")
 
-    def _complete(self, n: int, data: bytes) -> None:
+    def _complete(self, n: int, data: SectorBytes) -> None:
         with self._lock:
             flight = self._pop_flight(n)
         if flight is not None:

@@ -43,7 +43,7 @@ from collections import OrderedDict
 
 from imagetool.format import Index
 from snapshotter.errors import InvalidReadError
-from snapshotter.fetcher import SectorFetcher
+from snapshotter.fetcher import SectorBytes, SectorFetcher
 
 # Decoded sectors kept in memory per reader: 8 x 4 MiB = 32 MiB, enough for a few readers
 # streaming different files at once without thrashing.
@@ -107,7 +107,7 @@ class BlockReader:
         self.stream_slack = stream_slack
         self.metrics = fetcher.metrics
         self._lock = threading.Lock()
-        self._memory: OrderedDict[int, bytes] = OrderedDict()  # LRU first
+        self._memory: OrderedDict[int, SectorBytes] = OrderedDict()  # LRU first
         self._used: dict[int, int] = {}  # bytes read so far of each sector in memory
         self._touched: dict[int, None] = {}  # insertion-ordered set
         self._streams: list[_Stream] = []  # most recently used last
@@ -153,7 +153,7 @@ class BlockReader:
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
-        in_memory: dict[int, bytes] = {}
+        in_memory: dict[int, SectorBytes] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
@@ -211,13 +211,15 @@ class BlockReader:
             self._memory.clear()
             self._used.clear()
 
-    def _remember_one(self, n: int, data: bytes) -> None:
+    def _remember_one(self, n: int, data: SectorBytes) -> None:
         with self._lock:
             self._memory[n] = data
             self._memory.move_to_end(n)
             self._evict()
 
-    def _remember(self, fetched: dict[int, bytes], spans: dict[int, tuple[int, int, int]]) -> None:
+    def _remember(
+        self, fetched: dict[int, SectorBytes], spans: dict[int, tuple[int, int, int]]
+    ) -> None:
         """Keep sectors a read fetched, counting the bytes of them it read (``spans``)."""
         if not self.memory_sectors:
             return

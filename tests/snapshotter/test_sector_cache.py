@@ -16,7 +16,7 @@ import support
 from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
-from snapshotter.cache import LAYOUT_VERSION, SectorCache, entry_file_size
+from snapshotter.cache import ALIGN, LAYOUT_VERSION, EntryBuffer, SectorCache, entry_file_size
 
 
 def entry(data: bytes) -> tuple[str, bytes]:
@@ -408,6 +408,54 @@ def test_direct_writes_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) 
     results = [cache.put(key, stored) for key, stored in entries]
     assert results[-1] and cache.metrics.evictions.value > 0
     assert cache.get(entries[-1][0]) == entries[-1][1]
+    assert not list((tiny_fs / LAYOUT_VERSION / "wip").iterdir())
+
+
+def _entry_buffer(data: bytes) -> EntryBuffer:
+    buf = EntryBuffer(len(data))
+    buf.data[:] = data
+    return buf
+
+
+@pytest.mark.parametrize("size", [1 << 20, 10_000], ids=["whole-pages", "odd"])
+def test_an_entry_buffer_is_written_as_the_same_entry_from_where_it_is(
+    tmp_path: Path, size: int
+) -> None:
+    rng = random.Random(12)
+    data = rng.randbytes(size)
+    key = sector_checksum(data)
+    buf = EntryBuffer(size)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf.data))
+    assert address % ALIGN == 0  # direct I/O can write it as it is
+    buf.data[:] = rng.randbytes(size)  # memory that held other bytes before (not zeroed)
+    buf.data[:] = data
+    as_bytes, as_buffer = (
+        SectorCache(tmp_path / "a", 16 << 20),
+        SectorCache(tmp_path / "b", 16 << 20),
+    )
+    assert as_bytes.put(key, data) and as_buffer.put(key, buf, verified=True)
+    assert buf.data == data  # left as it was
+    written = entry_path(tmp_path / "b", key).read_bytes()
+    assert written == entry_path(tmp_path / "a", key).read_bytes()  # zeros, trailer and all
+    assert len(written) == entry_file_size(size)
+    assert SectorCache(tmp_path / "b", 16 << 20).get(key) == data  # and it checks out
+
+
+def test_an_entry_buffer_that_is_not_the_named_sector_is_refused(tmp_path: Path) -> None:
+    cache = SectorCache(tmp_path, 16 << 20)
+    buf = _entry_buffer(b"x" * 5000)
+    assert not cache.put(sector_checksum(b"y" * 5000), buf)
+    assert len(cache) == 0 and cache.metrics.put_failures.value == 1
+
+
+@pytest.mark.root
+def test_entry_buffers_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) -> None:
+    rng = random.Random(13)
+    cache = SectorCache(tiny_fs, 100 << 20)
+    datas = [rng.randbytes(64 << 10) for _ in range(40)]  # 2.5 MB of 64 KiB entries
+    results = [cache.put(sector_checksum(d), _entry_buffer(d), verified=True) for d in datas]
+    assert results[-1] and cache.metrics.evictions.value > 0
+    assert cache.get(sector_checksum(datas[-1])) == datas[-1]
     assert not list((tiny_fs / LAYOUT_VERSION / "wip").iterdir())
 
 

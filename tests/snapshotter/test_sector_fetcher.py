@@ -44,6 +44,19 @@ def test_get_returns_verified_sector_bytes(image: Image, make_fetcher: MakeFetch
     assert m.bytes_fetched.value == image.index.blob_size - repeats
 
 
+def test_fetched_sectors_cannot_be_changed_by_their_readers(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    # Decoded into memory the fetcher allocated and shared with the cache write, the
+    # memory of read-ahead and every waiting reader: handed out read-only.
+    fetcher = make_fetcher()
+    got = fetcher.get([1, 2])
+    for n in (1, 2):
+        with pytest.raises(TypeError):
+            memoryview(got[n])[:1] = b"x"
+        assert got[n] == image.sector(n)
+
+
 def test_second_get_is_served_from_the_cache(
     image: Image, store, cache: SectorCache, make_fetcher: MakeFetcher
 ) -> None:
