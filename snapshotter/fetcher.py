@@ -25,7 +25,7 @@ store:
   sequential reader, ``snapshotter.reader``): they queue behind on-demand reads and ahead of
   prefetch, are promoted when a reader starts waiting on them, and ``cancel_readahead``
   drops those nobody waits on yet. Sectors already cached are only hinted to the kernel.
-* **Verification.** Every stored sector goes through ``Index.decode_sector`` before it is
+* **Verification.** Every stored sector goes through ``Index.decode_sector_into`` before it is
   cached or returned; a sector that fails is refetched (counting against ``retries``) and
   never served or cached.
 * **Timeouts that hold.** The store is called on a separate thread per request and the worker
