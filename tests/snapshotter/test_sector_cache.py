@@ -16,7 +16,14 @@ import support
 from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
-from snapshotter.cache import ALIGN, LAYOUT_VERSION, EntryBuffer, SectorCache, entry_file_size
+from snapshotter.cache import (
+    ALIGN,
+    LAYOUT_VERSION,
+    VERIFY_BLOCK,
+    EntryBuffer,
+    SectorCache,
+    entry_file_size,
+)
 
 
 def entry(data: bytes) -> tuple[str, bytes]:
@@ -299,10 +306,39 @@ def test_first_use_in_a_process_checks_the_trailer_and_reads_only_what_it_serves
     cache = SectorCache(tmp_path, 4 << 20)  # another process: nothing checked yet
     before = _rchar()
     assert cache.read(key, 100, 1000, size=len(data)) == data[100:1100]
-    # the footer page and one 16 KiB block (and this test's read of /proc), not 1 MiB
-    assert _rchar() - before < 4096 + 16384 + 1024
+    # the footer page and one block (and this test's read of /proc), not 1 MiB
+    assert _rchar() - before < 4096 + VERIFY_BLOCK + 1024
     assert cache.read(key, 899_000, 2000) is None  # the damaged block is never served
     assert not path.exists() and cache.metrics.corrupt.value == 1
+
+
+def test_entries_written_with_another_block_size_are_read_and_checked_as_they_are(
+    tmp_path: Path,
+) -> None:
+    # e.g. from a release with another VERIFY_BLOCK: 4 KiB blocks, as the trailer says
+    from snapshotter.cache import _aligned, block_digests, entry_trailer
+
+    data = random.Random(14).randbytes(300_000)
+    key = sector_checksum(data)
+    block = 4 << 10
+    assert block != VERIFY_BLOCK
+    trailer = entry_trailer(key, len(data), block_digests(data, block), block)
+    path = entry_path(tmp_path, key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data + bytes(_aligned(len(data)) - len(data)) + trailer)
+    cache = SectorCache(tmp_path, 4 << 20)
+    assert cache.read(key, 20_000, 100_000, size=len(data)) == data[20_000:120_000]
+    out = memoryview(bytearray(5000))
+    assert (
+        cache.read_into(key, 250_000, out, len(data), sequential=True)
+        and out == data[250_000:255_000]
+    )
+    assert cache.get(key) == data
+    with open(path, "r+b") as f:  # damage the middle of its second block
+        f.seek(block + 2000)
+        f.write(b"\xff")
+    assert cache.read(key, block + 100, 10) is None
+    assert cache.metrics.corrupt.value == 1
 
 
 @pytest.mark.parametrize("damage", ["trailer", "truncated", "renamed", "no-trailer"])
