@@ -211,6 +211,22 @@ def test_random_reads_do_not_read_ahead(image: Image, store, make_fetcher: MakeF
     assert fetcher.readahead_sectors.value == 0
 
 
+def test_random_reads_close_together_do_not_read_ahead(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    # Within the first four sectors, with the default slack (larger than the image): every
+    # read lands near the one stream and the bytes add up to many sectors' worth, but few
+    # of the reads move the stream's end forward. Sectors follow that could be read ahead.
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, readahead_bytes=8 * SECTOR)
+    assert reader.stream_slack > image.index.image_size > 12 * SECTOR
+    rng = random.Random(4)
+    for _ in range(600):
+        offset = rng.randrange(4 * SECTOR - 2048)
+        assert reader.read(offset, 2048) == image.data[offset : offset + 2048]
+    assert fetcher.readahead_sectors.value == 0
+
+
 def test_read_ahead_nobody_waits_for_is_cancelled(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
