@@ -397,7 +397,7 @@ def main() -> int:
             pids = {"registry": remote.registry_pid}
         with open_image(ref, options) as img:
             results["blob_bytes"] = img.index.blob_size
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             if not args.mount_only:
                 drop_caches()
                 store_cpu.append({})
@@ -408,7 +408,10 @@ def main() -> int:
                 base["local_seq_MBps"].append(seq_read(tree))
                 drop_caches()
                 base["local_rand_MBps"].append(rand_read(tree))
-            for name, path in variants.items():
+            # Alternate the variants' order: what runs first after the references meets the
+            # machine in another state (page cache, disk queue) than what follows it.
+            order = list(variants.items())
+            for name, path in order if round_ % 2 == 0 else reversed(order):
                 os.environ["PYTHONPATH"] = path
                 out = measure_mount(ref, work, args.backing, args.mount_repeats)
                 if not args.mount_only:
