@@ -468,10 +468,10 @@ class SectorCache:
         """Store a sector's uncompressed bytes under its checksum. Bytes that do not hash
         to ``checksum`` are refused (this costs a hash, ~0.5 ms per 4 MiB, and keeps the
         block digests honest); ``verified``: the caller has just hashed these very bytes
-        (``Index.decode_sector`` returned them), so they are not hashed again. An
-        ``EntryBuffer`` is written from where it is (its bytes must not change until this
-        returns). Returns whether the entry is now cached; never raises for lack of room or
-        a failing disk."""
+        (``Index.decode_sector`` or ``decode_sector_into`` checked them), so they are not
+        hashed again. An ``EntryBuffer`` is written from where it is (its bytes must not
+        change until this returns). Returns whether the entry is now cached; never raises
+        for lack of room or a failing disk."""
         check_checksum(checksum)
         held = data
         if isinstance(data, EntryBuffer):
@@ -857,36 +857,35 @@ class SectorCache:
         """Write an entry file (``data``, zeros to a page boundary, ``trailer``) in
         ``wip/``; returns its path. Not fsynced: see the module's docstring."""
         fd, name = tempfile.mkstemp(dir=self._wip)
-        if isinstance(data, EntryBuffer):
-            try:
-                view = data.entry(trailer)
-                if not self._write_direct(fd, view):
-                    _write_all(fd, view)
-            except BaseException:
-                _unlink(Path(name))
-                raise
-            finally:
-                os.close(fd)
-            return Path(name)
-        size = len(data)
-        start = _aligned(size)
-        total = start + len(trailer)
-        buf = self._buffers.take(total)
-        view = memoryview(buf)
         try:
-            view[:size] = data
-            view[size:start] = bytes(start - size)  # the buffer is reused: zero the gap
-            view[start:total] = trailer
-            if not self._write_direct(fd, view[:total]):
-                _write_all(fd, view[:total])
+            if isinstance(data, EntryBuffer):
+                self._write_entry(fd, data.entry(trailer))
+            else:
+                size = len(data)
+                start = _aligned(size)
+                total = start + len(trailer)
+                buf = self._buffers.take(total)
+                view = memoryview(buf)
+                try:
+                    view[:size] = data
+                    view[size:start] = bytes(start - size)  # the buffer is reused: zero the gap
+                    view[start:total] = trailer
+                    self._write_entry(fd, view[:total])
+                finally:
+                    view.release()
+                    self._buffers.give(buf)
         except BaseException:
             _unlink(Path(name))
             raise
         finally:
-            view.release()
-            self._buffers.give(buf)
             os.close(fd)
         return Path(name)
+
+    def _write_entry(self, fd: int, view: memoryview) -> None:
+        """All of ``view`` (a whole entry) to the new, empty file ``fd``: with direct I/O
+        where the file system takes it."""
+        if not self._write_direct(fd, view):
+            _write_all(fd, view)
 
     def _write_direct(self, fd: int, view: memoryview) -> bool:
         """Write ``view`` (page-aligned, whole pages) to the new, empty file ``fd`` with

@@ -793,7 +793,7 @@ class SectorFetcher:
 
     def _cache_put(self, checksum: str, data: EntryBuffer) -> None:
         try:
-            self.cache.put(checksum, data, verified=True)  # decode_sector checked it
+            self.cache.put(checksum, data, verified=True)  # decode_sector_into checked it
         except Exception:  # caching is best effort; the read goes on
             log.exception("sector cache put failed")
 
