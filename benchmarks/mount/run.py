@@ -67,6 +67,7 @@ from ocibuild import DEFAULT_MTIME, write_oci_layout  # noqa: E402
 from support import Registry  # noqa: E402
 
 from benchmarks.coldstart import netns  # noqa: E402
+from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa: E402
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
 from snapshotter import mount as api  # noqa: E402
@@ -84,20 +85,11 @@ def drop_caches() -> None:
 
 
 def _process_cpu(pid: int) -> float:
-    """CPU seconds (user and system, all threads) process ``pid`` has used; 0 once gone."""
+    """``process_cpu_seconds``, 0 once the process is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return process_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, all) CPU seconds of the whole machine since boot (idle and iowait not busy)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    total = sum(ticks[:8])  # guest time is already counted in user
-    hz = os.sysconf("SC_CLK_TCK")
-    return (total - ticks[3] - ticks[4]) / hz, total / hz
 
 
 @dataclass
@@ -110,14 +102,14 @@ class CpuMeter:
     def start(self) -> CpuMeter:
         self._procs = {name: _process_cpu(pid) for name, pid in self.pids.items()}
         self._self = sum(os.times()[:2])
-        self._machine = _machine_cpu()
+        self._machine = machine_cpu_seconds()
         return self
 
     def stop(self, gigabytes: float) -> dict[str, float]:
         """Seconds per GB of ``gigabytes`` (and ``busy``, a fraction)."""
         used = {name: _process_cpu(pid) - self._procs[name] for name, pid in self.pids.items()}
         used["reader"] = sum(os.times()[:2]) - self._self
-        busy, total = (a - b for a, b in zip(_machine_cpu(), self._machine, strict=True))
+        busy, total = (a - b for a, b in zip(machine_cpu_seconds(), self._machine, strict=True))
         used["machine"] = busy
         out = {name: seconds / gigabytes for name, seconds in used.items()}
         out["busy"] = busy / total if total else 0.0

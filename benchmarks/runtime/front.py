@@ -36,6 +36,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.proccpu import process_cpu_seconds  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).with_name("fastengine.py")
 BODY = {
@@ -45,7 +48,6 @@ BODY = {
     "max_tokens": 50,
     "temperature": 0.0,
 }
-_TICK = os.sysconf("SC_CLK_TCK")
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
 
@@ -55,13 +57,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    f = stat[stat.rindex(")") + 2 :].split()
-    return (int(f[11]) + int(f[12])) / _TICK
 
 
 @dataclass
@@ -193,10 +188,12 @@ def main() -> None:
             order = targets[r % len(targets) :] + targets[: r % len(targets)]
             for level, conns in (("high", a.conns), ("low", a.low_conns)):
                 for name, url, pid in order:
-                    c0 = cpu_s(pid) if pid else 0.0
+                    c0 = process_cpu_seconds(pid) if pid else 0.0
                     res = wrk(url, conns, a.seconds, script)
                     if pid:
-                        res["cpu_us_per_req"] = (cpu_s(pid) - c0) / max(res["requests"], 1) * 1e6
+                        res["cpu_us_per_req"] = (
+                            (process_cpu_seconds(pid) - c0) / max(res["requests"], 1) * 1e6
+                        )
                     rows.setdefault((level, name), []).append(res)
                     print(f"round {r} {level:4} {name:14} {json.dumps(res)}", file=sys.stderr)
     finally:

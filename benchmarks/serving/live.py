@@ -55,7 +55,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import wakeup  # noqa: E402
+
+from benchmarks.proccpu import process_cpu_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -75,7 +78,6 @@ end
 """
 )
 TARGETS = ("direct", "router", "nginx", "haproxy")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -125,7 +127,7 @@ def wrk(port: int, conns: int, seconds: int, lua: Path, cpu: str | None) -> dict
 
 def cpu_seconds(pids: list[int]) -> float:
     """User+system CPU of these processes and their children (nginx workers)."""
-    total = 0
+    total = 0.0
     seen = set()
     todo = list(pids)
     while todo:
@@ -134,13 +136,12 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         seen.add(pid)
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += process_cpu_seconds(pid)
             kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         except (FileNotFoundError, ProcessLookupError):
             continue
         todo.extend(int(k) for k in kids)
-    return total / TICK
+    return total
 
 
 def stats(ports: list[int]) -> list[int]:
