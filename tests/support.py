@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import select
 import shutil
 import socket
@@ -111,18 +112,25 @@ class PausableProxy:
       direction on any connection, so a request is never answered.
     * ``"stall_body"``: requests reach the upstream; each response that starts is passed on
       up to the end of its headers plus ``body_prefix`` body bytes, then nothing more.
+    * ``"chaos"``: each piece of a response (one ``recv``, up to 64 KiB), at random (seeded):
+      passed on with one byte flipped (headers or body), the connection cut before it, held
+      up to 0.2 s first, or passed on as it is. ``injected`` counts what was done.
 
     Back in ``"pass"`` mode everything held moves on, as after a network stall.
     """
 
-    MODES = ("pass", "blackhole", "stall_body")
+    MODES = ("pass", "blackhole", "stall_body", "chaos")
+    # Chances per piece of a response in "chaos" mode.
+    CHAOS = {"flip": 0.03, "cut": 0.03, "delay": 0.06}
 
-    def __init__(self, upstream_port: int, body_prefix: int = 16) -> None:
+    def __init__(self, upstream_port: int, body_prefix: int = 16, seed: int = 0) -> None:
         self.upstream_port = upstream_port
         self.body_prefix = body_prefix
         self.mode = "pass"
         self.held = 0  # bytes read from either side and held back
         self.connections = 0
+        self.injected = dict.fromkeys(self.CHAOS, 0)
+        self._rng = random.Random(seed)
         self._cond = threading.Condition()
         self._closed = False
         self._sockets: set[socket.socket] = set()
@@ -184,6 +192,28 @@ class PausableProxy:
         with self._cond:
             self.held += n
 
+    def _chaos(self, data: bytes, src: socket.socket, dst: socket.socket) -> bytes | None:
+        """A piece of a response as "chaos" mode passes it on; None: the connection is cut."""
+        with self._cond:
+            roll, at, pause = self._rng.random(), self._rng.randrange(len(data)), self._rng.random()
+            fault = None
+            for name, chance in self.CHAOS.items():
+                if roll < chance:
+                    fault = name
+                    self.injected[name] += 1
+                    break
+                roll -= chance
+        if fault == "cut":
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            return None
+        if fault == "delay":
+            time.sleep(0.2 * pause)
+        if fault == "flip":
+            data = data[:at] + bytes([data[at] ^ 0x20]) + data[at + 1 :]
+        return data
+
     def _pump(self, src: socket.socket, dst: socket.socket, down: bool, conn: dict) -> None:
         seen = b""  # stall_body: response bytes since the stall began
         stalled = False  # stall_body: this response got its allowance
@@ -221,6 +251,10 @@ class PausableProxy:
                     pending += data
                     self._count_held(len(data))
                     continue
+                if mode == "chaos" and down:
+                    data = self._chaos(data, src, dst)
+                    if data is None:
+                        return
                 if mode == "stall_body" and down:
                     seen += data
                     end = seen.find(b"\r\n\r\n")

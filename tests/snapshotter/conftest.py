@@ -13,11 +13,10 @@ from datapath_support import (
     FaultyStore,
     Image,
     build_image,
+    dir_store,
     standard_contents,
 )
 
-from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.stores.dir import DirStore
 from snapshotter.cache import SectorCache
 from snapshotter.fetcher import FetchConfig, SectorFetcher
 from snapshotter.metrics import MountMetrics
@@ -28,14 +27,6 @@ def image() -> Image:
     return build_image(
         standard_contents(random.Random(1234)), metadata_sectors=2, prefetch=(8, 9, 10), files=FILES
     )
-
-
-def dir_store(root: Path, image: Image) -> DirStore:
-    """A real directory store holding ``image`` as ``test:v1``."""
-    store = DirStore(root, "test")
-    store.put_blob(image.index.blob_digest, image.blob, BLOB_MEDIA_TYPE)
-    store.publish("v1", image.index.to_bytes())
-    return store
 
 
 @pytest.fixture

@@ -14,8 +14,16 @@ from pathlib import Path
 import zstandard
 
 from imagetool.errors import StoreError
-from imagetool.format import FileExtent, Index, Sector, sector_checksum, sha256_digest
+from imagetool.format import (
+    BLOB_MEDIA_TYPE,
+    FileExtent,
+    Index,
+    Sector,
+    sector_checksum,
+    sha256_digest,
+)
 from imagetool.stores.base import BytesBody, RangeBody, Store
+from imagetool.stores.dir import DirStore
 from snapshotter.cache import LAYOUT_VERSION
 from snapshotter.fetcher import FetchConfig
 
@@ -99,6 +107,14 @@ FILES = (
     FileExtent("/app/weights.bin", 8 * SECTOR, 10 * SECTOR),
     FileExtent("/etc/hosts", 30 * SECTOR + 5, 50),
 )
+
+
+def dir_store(root: Path, image: Image) -> DirStore:
+    """A real directory store holding ``image`` as ``test:v1``."""
+    store = DirStore(root, "test")
+    store.put_blob(image.index.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    store.publish("v1", image.index.to_bytes())
+    return store
 
 
 class FaultyStore(Store):

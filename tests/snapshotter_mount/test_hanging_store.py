@@ -1,17 +1,21 @@
-"""A store that hangs: a real registry behind a TCP proxy that stops answering.
+"""A store that hangs or garbles: a real registry behind a TCP proxy that stops answering,
+or that corrupts, cuts and delays its answers at random.
 
 The proxy (``support.PausableProxy``) either holds every connection and moves no byte
 (``blackhole``: the registry accepts connections and never answers), or lets a response's
 headers and a few body bytes through and then nothing (``stall_body``). Through a real mount
 (FUSE + erofs): uncached reads fail with EIO within the fetch deadline, cached data keeps
 being served, the mount server keeps answering, and once the proxy lets bytes flow again the
-same reads return the right bytes.
+same reads return the right bytes. In ``chaos`` mode it garbles the registry's answers at
+random; the reads through the mount return the files' bytes or EIO, never other bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -59,14 +63,15 @@ def _read_once_back(path: Path, within: float) -> bytes:
             time.sleep(0.2)
 
 
-@pytest.fixture
-def proxied_mount(
-    registry: Registry, umoci_source: tuple[Path, Path], config: MountConfig, tmp_path: Path
+@contextlib.contextmanager
+def _mount_through_proxy(
+    registry: Registry, source_layout: Path, config: MountConfig, tmp_path: Path
 ) -> Iterator[tuple[PausableProxy, Path, MountConfig]]:
-    """An image in the session's registry, mounted through a proxy in front of it."""
+    """An image (64 KiB sectors) in the session's registry, mounted through a proxy in
+    front of it, with short fetch deadlines."""
     repo = f"lazyblock/hang-{uuid.uuid4().hex[:8]}"
     imagetool("--plain-http", "convert", "-q", "--sector-size", "64KiB",
-              f"oci:{umoci_source[0]}:v1", f"docker://{registry.host}/{repo}:v1")  # fmt: skip
+              f"oci:{source_layout}:v1", f"docker://{registry.host}/{repo}:v1")  # fmt: skip
     cfg = with_store_options(config, plain_http=True, timeout=10.0, retries=1)
     cfg = replace(
         cfg,
@@ -74,13 +79,21 @@ def proxied_mount(
     )
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    with PausableProxy(registry.port) as proxy:
+    with PausableProxy(registry.port, seed=11) as proxy:
         api.mount(f"docker://{proxy.host}/{repo}:v1", mnt, cfg)
         try:
             yield proxy, mnt, cfg
         finally:
             proxy.set_mode("pass")  # let the server's requests finish before it is unmounted
             api.unmount(mnt, cfg, lazy=True)
+
+
+@pytest.fixture
+def proxied_mount(
+    registry: Registry, umoci_source: tuple[Path, Path], config: MountConfig, tmp_path: Path
+) -> Iterator[tuple[PausableProxy, Path, MountConfig]]:
+    with _mount_through_proxy(registry, umoci_source[0], config, tmp_path) as mounted:
+        yield mounted
 
 
 @pytest.mark.parametrize("mode", ["blackhole", "stall_body"])
@@ -137,3 +150,76 @@ def test_hanging_store_fails_reads_within_the_deadline_then_recovers(
     stats = api.stats(mnt, cfg)
     assert stats["reads"]["errors"] >= 1
     assert stats["fetch"]["sectors_fetched"] > before["sectors_fetched"]
+
+
+def test_a_store_that_garbles_cuts_and_delays_answers_is_never_served_wrong(
+    registry, umoci_source, config, tmp_path
+) -> None:  # noqa: ANN001
+    # Through a real mount (FUSE + erofs) with a cache of four sectors, so that every pass
+    # fetches most of the image again: 4 threads read the largest files and a sample of the
+    # rest, three times over, while the proxy flips bytes, cuts connections and holds
+    # answers. A read gets the file's bytes or EIO, never other bytes, and never hangs.
+    source = umoci_source[1]
+    files = sorted(
+        p.relative_to(source) for p in source.rglob("*") if p.is_file() and not p.is_symlink()
+    )
+    want = {rel: (source / rel).read_bytes() for rel in files}
+    small = replace(config, cache_size=4 * (64 << 10))
+    with _mount_through_proxy(registry, umoci_source[0], small, tmp_path) as (proxy, mnt, cfg):
+        outcomes = {"right": 0, "eio": 0}
+        wrong: list[str] = []
+        unexpected: list[BaseException] = []
+        lock = threading.Lock()
+
+        def reader(seed: int) -> None:
+            # the largest files and a sample of the rest (thousands of small files)
+            biggest = sorted(files, key=lambda rel: len(want[rel]))[-20:]
+            order = biggest + random.Random(seed).sample(files, 100)
+            random.Random(seed).shuffle(order)
+            for rel in order:
+                started = time.monotonic()
+                try:
+                    data = (mnt / rel).read_bytes()
+                except OSError as e:
+                    with lock:
+                        if e.errno == errno.EIO:
+                            outcomes["eio"] += 1
+                        else:
+                            unexpected.append(e)
+                    continue
+                finally:
+                    took = time.monotonic() - started
+                    if took > DEADLINE + SLACK:
+                        with lock:
+                            unexpected.append(TimeoutError(f"{rel}: {took:.1f}s"))
+                with lock:
+                    outcomes["right"] += 1
+                    if data != want[rel]:
+                        wrong.append(str(rel))
+
+        proxy.set_mode("chaos")
+        try:
+            for pass_ in range(3):
+                drop_caches()
+                threads = [
+                    threading.Thread(target=reader, args=(pass_ * 10 + i,)) for i in range(4)
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(300)
+                    assert not t.is_alive(), "a reader hung"
+        finally:
+            proxy.set_mode("pass")
+        assert not unexpected, unexpected[:3]
+        assert not wrong, f"{len(wrong)} reads returned other bytes than the file's: {wrong[:5]}"
+        stats = api.stats(mnt, cfg)
+        fetch = stats["fetch"]
+        assert all(proxy.injected.values()), proxy.injected
+        assert fetch["checksum_errors"] + fetch["store_errors"] > 0, fetch
+        assert outcomes["right"] > 0, outcomes
+
+        # The store is well again: every file reads back right.
+        drop_caches()
+        for rel in files:
+            assert _read_once_back(mnt / rel, DEADLINE + SLACK) == want[rel], rel
