@@ -56,9 +56,15 @@ taken over when first wanted (read in full, checked against their name, written 
 the old file removed); ``gc()`` removes whatever of them is left.
 
 Several processes may share one directory (the node runs a mount server per mount): an
-entry another process wrote is found on disk and adopted, one it evicted is a miss, and each
-process enforces the cap over the entries it knows (``gc()``, and every open, trims the
-directory as a whole). Within a process every method is thread-safe.
+entry another process wrote is found on disk and adopted, one it evicted is a miss. The cap
+holds for the directory as a whole: every process adds what it writes to, and takes what it
+deletes from, one counter in ``v3/usage`` (``_SharedUsage``); each evicts its own least
+recently used entries to stay under the cap, and one whose write takes the directory past
+it rescans the directory (in the background, at most every ``RECONCILE_INTERVAL``) and
+evicts the least recently used entries of all (by their files' times), adopting the rest.
+An entry another process is reading may be deleted: that read goes on from its open file;
+the next one is a miss. Opening the cache and ``gc()`` trim the directory as a whole too,
+and reset the counter. Within a process every method is thread-safe.
 """
 
 from __future__ import annotations
@@ -132,6 +138,11 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Opening the cache and gc() remove temporary files older than this; younger ones may belong
 # to a put running in this or another process (a put writes its file in milliseconds).
 STALE_WIP_SECONDS = 60.0
+# The directory's entry bytes, kept by every process that shares it (``_SharedUsage``).
+USAGE_FILE = "usage"
+# A process that finds the directory over its cap rescans it and evicts the least recently
+# used entries of all processes at most this often (a rescan stats every entry).
+RECONCILE_INTERVAL = 1.0
 
 
 def check_checksum(checksum: str) -> str:
@@ -329,15 +340,63 @@ class _Buffers:
             old.close()
 
 
+class _SharedUsage:
+    """The bytes of entry files in a cache directory, as one 8-byte counter in a file that
+    every process sharing the directory updates under ``flock``. A process that dies between
+    a write and its update, or counts an entry another one also counted, leaves it off by
+    that much until the next rescan (``set``)."""
+
+    _COUNTER = struct.Struct("<q")
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock = threading.Lock()  # flock excludes other processes, not other threads
+
+    def add(self, delta: int) -> int:
+        """Add ``delta`` (negative: bytes deleted); returns the new total."""
+        with self._locked():
+            total = max(0, self._read() + delta)
+            os.pwrite(self._fd, self._COUNTER.pack(total), 0)
+            return total
+
+    def set(self, total: int) -> None:
+        with self._locked():
+            os.pwrite(self._fd, self._COUNTER.pack(total), 0)
+
+    def get(self) -> int:
+        with self._locked():
+            return self._read()
+
+    def _read(self) -> int:
+        raw = os.pread(self._fd, self._COUNTER.size, 0)
+        return self._COUNTER.unpack(raw)[0] if len(raw) == self._COUNTER.size else 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._fd)
+
+
 class SectorCache:
     """Sectors' uncompressed bytes on disk, keyed by checksum, LRU-bounded to ``max_bytes``
     of entry files."""
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int, reconcile_interval: float = RECONCILE_INTERVAL
+    ) -> None:
         if max_bytes <= 0:
             raise ValueError("cache max_bytes must be positive")
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.reconcile_interval = reconcile_interval
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
         self._wip = self._dir / "wip"
@@ -355,8 +414,12 @@ class SectorCache:
         self._buffers = _Buffers(POOL_BYTES)
         try:
             self._wip.mkdir(parents=True, exist_ok=True)
+            self._shared = _SharedUsage(self._dir / USAGE_FILE)
         except OSError as e:
             raise CacheError(f"cannot create sector cache at {self._dir}: {e}") from e
+        # Rescans of a directory found over its cap: one at a time, in the background.
+        self._reconcile_wanted = threading.Event()
+        self._reconciler: threading.Thread | None = None
         self._load()
 
     # --- lookups --------------------------------------------------------------------------
@@ -513,6 +576,7 @@ class SectorCache:
                 return True
             try:
                 path.parent.mkdir(exist_ok=True)
+                replaced = os.path.exists(path)  # another process's copy: counted already
                 os.replace(tmp, path)
             except OSError as e:
                 _unlink(tmp)
@@ -523,7 +587,10 @@ class SectorCache:
             self._entries[checksum] = total
             self._usage += total
             self._verified[checksum] = _Verified(len(data), VERIFY_BLOCK, digests, time.monotonic())
+            directory = self._shared.get() if replaced else self._shared.add(total)
         self.metrics.puts.inc()
+        if directory > self.max_bytes:  # other processes' entries fill the rest
+            self._want_reconcile()
         return True
 
     @contextlib.contextmanager
@@ -545,8 +612,7 @@ class SectorCache:
         """Remove one entry, if present."""
         with self._lock:
             if checksum in self._entries:
-                self._forget(checksum)
-                _unlink(self._path(checksum))
+                self._delete(checksum)
 
     def gc(self) -> int:
         """Reconcile with the directory (entries deleted or added behind our back, leftover
@@ -562,14 +628,14 @@ class SectorCache:
             self._usage = 0
             self._load_locked()
             self._verified = {k: v for k, v in self._verified.items() if k in self._entries}
+            self._shared.set(self._usage)
             return freed + self._evict(self._usage - self.max_bytes)
 
     def clear(self) -> None:
         """Remove every unpinned entry."""
         with self._lock:
             for checksum in [k for k in self._entries if k not in self._pins]:
-                self._forget(checksum)
-                _unlink(self._path(checksum))
+                self._delete(checksum)
 
     # --- internals: reads -----------------------------------------------------------------
 
@@ -773,8 +839,7 @@ class SectorCache:
             except OSError:
                 ours = True  # already gone
             if ours:
-                _unlink(path)
-                self._forget(checksum)
+                self._delete(checksum)
             else:
                 self._verified.pop(checksum, None)
                 self._files.pop(checksum, None)
@@ -824,11 +889,23 @@ class SectorCache:
         self._verified.pop(checksum, None)
         self._files.pop(checksum, None)
 
+    def _delete(self, checksum: str) -> int:
+        """Forget an entry and delete its file; returns the bytes that freed (0 if another
+        process had deleted it). Lock held."""
+        size = self._entries.get(checksum, 0)
+        self._forget(checksum)
+        if not _unlink(self._path(checksum)):
+            return 0
+        self._shared.add(-size)
+        return size
+
     def _make_room(self, size: int) -> bool:
-        """Evict until ``size`` more bytes fit under the cap. Lock held."""
+        """Evict until ``size`` more bytes fit under the cap, in this process's count and in
+        the directory's. Lock held."""
         if size > self.max_bytes:
             return False
         self._evict(self._usage + size - self.max_bytes)
+        self._evict(self._shared.get() + size - self.max_bytes)
         return self._usage + size <= self.max_bytes
 
     def _evict(self, need: int) -> int:
@@ -842,12 +919,7 @@ class SectorCache:
                 break
             if self._pins[checksum] > 0:
                 continue
-            size = self._entries.pop(checksum)
-            self._verified.pop(checksum, None)
-            self._files.pop(checksum, None)
-            self._usage -= size
-            freed += size
-            _unlink(self._path(checksum))
+            freed += self._delete(checksum)
             self.metrics.evictions.inc()
         return freed
 
@@ -911,6 +983,7 @@ class SectorCache:
     def _load(self) -> None:
         with self._lock:
             self._load_locked()
+            self._shared.set(self._usage)
             freed = self._evict(self._usage - self.max_bytes)
         log.info(
             "sector cache %s: %d entries, %d bytes (evicted %d bytes over the cap)",
@@ -923,6 +996,13 @@ class SectorCache:
     def _load_locked(self) -> None:
         """Rebuild the LRU state from the directory; remove stale temporary files. Lock
         held."""
+        for _, name, size in self._scan():
+            self._entries[name] = size
+            self._usage += size
+
+    def _scan(self) -> list[tuple[float, str, int]]:
+        """(last use, checksum, bytes) of every entry file, least recently used first;
+        removes stale temporary files."""
         now = time.time()
         for f in self._wip.iterdir():
             with contextlib.suppress(OSError):
@@ -943,9 +1023,56 @@ class SectorCache:
                     continue
                 found.append((max(st.st_mtime, st.st_atime), name, st.st_size))
         found.sort()
-        for _, name, size in found:
-            self._entries[name] = size
-            self._usage += size
+        return found
+
+    # --- internals: the directory's cap, over all processes -------------------------------
+
+    def _want_reconcile(self) -> None:
+        """Have the background rescan run (now, or once the last one is
+        ``reconcile_interval`` old). Lock not held."""
+        with self._lock:
+            self._reconcile_wanted.set()
+            if self._reconciler is None:
+                self._reconciler = threading.Thread(
+                    target=self._reconcile_loop, name="lazyblock-cache-reconcile", daemon=True
+                )
+                self._reconciler.start()
+
+    def _reconcile_loop(self) -> None:
+        while True:
+            self._reconcile_wanted.wait(10.0)
+            with self._lock:  # the thread ends when nobody asked for 10 s
+                if not self._reconcile_wanted.is_set():
+                    self._reconciler = None
+                    return
+                self._reconcile_wanted.clear()
+            try:
+                self.reconcile()
+            except OSError as e:
+                log.warning("sector cache: cannot rescan %s: %s", self._dir, e)
+            time.sleep(self.reconcile_interval)
+
+    def reconcile(self) -> int:
+        """Rescan the directory, take in the entries other processes wrote, forget the ones
+        they deleted, reset the directory's counter, and evict the least recently used
+        entries of all down to the cap. Returns the bytes evicted."""
+        found = self._scan()  # outside the lock: it stats every entry
+        with self._lock:
+            merged: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in found)
+            for name, size in self._entries.items():
+                if name not in merged and os.path.exists(self._path(name)):
+                    merged[name] = size  # put since the scan began: the most recent
+            for name in [k for k in self._entries if k not in merged]:
+                self._verified.pop(name, None)  # deleted by another process
+                self._files.pop(name, None)
+            self._entries = merged
+            self._usage = sum(merged.values())
+            self._shared.set(self._usage)
+            freed = self._evict(self._usage - self.max_bytes)
+        if freed:
+            log.info("sector cache %s: evicted %d bytes to keep the directory under its cap",
+                     self._dir, freed)  # fmt: skip
+        return freed
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -967,9 +1094,13 @@ def open_file_cap() -> int:
     return max(16, min(OPEN_FILES, soft // 8))
 
 
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+def _unlink(path: Path) -> bool:
+    """Delete a file; whether this call deleted it."""
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def cache_entries(

@@ -52,7 +52,9 @@ class MountConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     """Node-wide sector cache, shared by every mount (content-addressed)."""
     cache_size: int = DEFAULT_CACHE_SIZE
-    """Cap on the cache's bytes (decoded sectors, as it holds them); LRU beyond it."""
+    """Cap on the cache's bytes (decoded sectors, as it holds them), for the directory as a
+    whole, whichever mounts wrote them; LRU beyond it. Mounts sharing a directory should
+    share the cap too: each enforces its own."""
     state_dir: Path = DEFAULT_STATE_DIR
     """Where mount records, control sockets, FUSE directories and server logs live."""
     prefetch: bool = True

@@ -8,6 +8,7 @@ import mmap
 import os
 import random
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from snapshotter.cache import (
     VERIFY_BLOCK,
     EntryBuffer,
     SectorCache,
+    cache_entries,
     entry_file_size,
 )
 
@@ -165,6 +167,83 @@ def test_processes_sharing_a_directory_see_each_others_entries(tmp_path: Path) -
     assert one.get(b[0]) == b[1]
     two.discard(a[0])  # "evicted" by the other process
     assert one.get(a[0]) is None and a[0] not in one
+
+
+def directory_bytes(root: Path) -> int:
+    """Bytes of entry files in a cache directory, counted on disk."""
+    return sum(size for _, size, _ in cache_entries(root))
+
+
+def test_the_cap_holds_for_the_directory_whatever_process_writes(tmp_path: Path) -> None:
+    # Two processes (two caches, sharing nothing but the directory) take turns writing
+    # entries the other has never seen: the directory never holds more than the cap.
+    rng = random.Random(21)
+    entries = [random_entry(rng, 60_000) for _ in range(40)]
+    cap = 10 * on_disk(entries[0][1])
+    one = SectorCache(tmp_path, cap, reconcile_interval=0.01)
+    two = SectorCache(tmp_path, cap, reconcile_interval=0.01)
+    for i, (key, stored) in enumerate(entries):
+        assert (one if i % 2 else two).put(key, stored)
+        assert directory_bytes(tmp_path) <= cap, i
+    # The entries left are the latest ones, and either process finds them.
+    latest = entries[-7:]
+    assert all(key in one and key in two for key, _ in latest)
+    assert all(one.get(key) == two.get(key) == stored for key, stored in latest)
+    # A rescan takes in what the other process wrote and forgets what it deleted.
+    one.reconcile()
+    assert one.usage() == directory_bytes(tmp_path) and len(one) == len(cache_entries(tmp_path))
+
+
+def test_a_counter_left_wrong_is_reset_when_the_cache_is_opened(tmp_path: Path) -> None:
+    rng = random.Random(22)
+    entries = [random_entry(rng) for _ in range(4)]
+    cache = SectorCache(tmp_path, 1 << 20)
+    for key, stored in entries[:3]:
+        cache.put(key, stored)
+    # What a process killed between writing an entry and counting it could leave behind.
+    usage = tmp_path / LAYOUT_VERSION / "usage"
+    usage.write_bytes((50 << 30).to_bytes(8, "little"))
+    reopened = SectorCache(tmp_path, 1 << 20)
+    assert reopened.put(*entries[3])
+    assert all(key in reopened for key, _ in entries)  # nothing evicted for a wrong count
+    assert int.from_bytes(usage.read_bytes(), "little") == directory_bytes(tmp_path)
+
+
+_WRITER = """
+import random, sys
+from pathlib import Path
+from imagetool.format import sector_checksum
+from snapshotter.cache import SectorCache
+
+root, cap, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cache = SectorCache(root, cap, reconcile_interval=0.01)
+rng = random.Random(seed)
+for _ in range(30):
+    data = rng.randbytes(60_000)
+    assert cache.put(sector_checksum(data), data)
+    assert cache.get(sector_checksum(data)) in (data, None)
+"""
+
+
+def test_processes_writing_at_once_keep_the_directory_near_its_cap(tmp_path: Path) -> None:
+    # Three mount servers' worth of writers at once, each with entries of its own. While
+    # they race, one entry each may be in the directory past the cap; not more.
+    one = on_disk(bytes(60_000))
+    cap = 10 * one
+    SectorCache(tmp_path, cap)  # the layout, made once
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(cap), str(seed)])
+        for seed in range(3)
+    ]
+    peak = 0
+    while any(w.poll() is None for w in writers):
+        peak = max(peak, directory_bytes(tmp_path))
+    assert [w.wait() for w in writers] == [0, 0, 0]
+    assert peak <= cap + 3 * one, (peak, cap)
+    assert directory_bytes(tmp_path) <= cap + 3 * one
+    # The next process to open the directory trims it to the cap.
+    SectorCache(tmp_path, cap)
+    assert directory_bytes(tmp_path) <= cap
 
 
 def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
