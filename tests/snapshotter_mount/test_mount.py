@@ -122,6 +122,34 @@ def test_one_small_file_of_a_1gb_image_fetches_only_its_sectors(config, big_ref,
     assert len(part) == 4 << 20 and part[:4096] == part[-4096:]
 
 
+def test_mounts_sharing_a_small_cache_keep_it_under_its_cap(config, umoci_source, tmp_path) -> None:  # noqa: ANN001
+    # Two images with no sector in common (the same tree cut into 64 KiB and 128 KiB
+    # sectors), mounted at once with one cache of 1 MiB, a fraction of either: each mount
+    # server evicts the other's entries as well as its own, so the directory stays at the
+    # cap, and both trees read back whole.
+    from snapshotter.cache import cache_usage
+
+    cfg = replace(config, cache_size=1 << 20)
+    mounts = []
+    for sector in ("64KiB", "128KiB"):
+        ref = str(tmp_path / f"store-{sector}" / "app:v1")
+        images.convert(umoci_source[0], "v1", ref, "--sector-size", sector)
+        mnt = tmp_path / f"mnt-{sector}"
+        mnt.mkdir()
+        api.mount(ref, mnt, cfg)
+        mounts.append(mnt)
+    want = snapshot(umoci_source[1])
+    for round_ in range(2):
+        drop_caches()
+        for mnt in mounts if round_ == 0 else reversed(mounts):
+            assert snapshot(mnt) == want
+            _, cached = cache_usage(cfg.cache_dir)
+            assert cached <= cfg.cache_size + 2 * (128 << 10), (mnt, cached)
+    fetched = sum(api.stats(mnt, cfg)["fetch"]["sectors_fetched"] for mnt in mounts)
+    evicted = sum(api.stats(mnt, cfg)["cache"]["evictions"] for mnt in mounts)
+    assert fetched > 0 and evicted > 0
+
+
 def test_store_going_away_fails_uncached_reads_within_the_deadline(
     config, tmp_path, umoci_source
 ) -> None:  # noqa: ANN001
