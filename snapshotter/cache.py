@@ -59,9 +59,11 @@ Several processes may share one directory (the node runs a mount server per moun
 entry another process wrote is found on disk and adopted, one it evicted is a miss. The cap
 holds for the directory as a whole: every process adds what it writes to, and takes what it
 deletes from, one counter in ``v3/usage`` (``_SharedUsage``); each evicts its own least
-recently used entries to stay under the cap, and one whose write takes the directory past
-it rescans the directory (in the background, at most every ``RECONCILE_INTERVAL``) and
-evicts the least recently used entries of all (by their files' times), adopting the rest.
+recently used entries to stay under the cap, and making room, writing the entry in place
+and counting it happen as one against other processes. One that cannot make room that way
+(the directory is full of entries it does not know) rescans the directory (``reconcile``):
+it takes in the others' entries and evicts the least recently used of all, by their files'
+times.
 An entry another process is reading may be deleted: that read goes on from its open file;
 the next one is a miss. Opening the cache and ``gc()`` trim the directory as a whole too,
 and reset the counter. Within a process every method is thread-safe.
@@ -140,9 +142,6 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 STALE_WIP_SECONDS = 60.0
 # The directory's entry bytes, kept by every process that shares it (``_SharedUsage``).
 USAGE_FILE = "usage"
-# A process that finds the directory over its cap rescans it and evicts the least recently
-# used entries of all processes at most this often (a rescan stats every entry).
-RECONCILE_INTERVAL = 1.0
 
 
 def check_checksum(checksum: str) -> str:
@@ -350,21 +349,22 @@ class _SharedUsage:
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self._lock = threading.Lock()  # flock excludes other processes, not other threads
+        self._lock = threading.RLock()  # flock excludes other processes, not other threads
+        self._depth = 0
 
     def add(self, delta: int) -> int:
         """Add ``delta`` (negative: bytes deleted); returns the new total."""
-        with self._locked():
+        with self.held():
             total = max(0, self._read() + delta)
             os.pwrite(self._fd, self._COUNTER.pack(total), 0)
             return total
 
     def set(self, total: int) -> None:
-        with self._locked():
+        with self.held():
             os.pwrite(self._fd, self._COUNTER.pack(total), 0)
 
     def get(self) -> int:
-        with self._locked():
+        with self.held():
             return self._read()
 
     def _read(self) -> int:
@@ -372,13 +372,19 @@ class _SharedUsage:
         return self._COUNTER.unpack(raw)[0] if len(raw) == self._COUNTER.size else 0
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def held(self) -> Iterator[None]:
+        """Hold the counter against every other process and thread (re-entrant): what is
+        checked against it and counted in it within stays consistent."""
         with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._depth += 1
             try:
                 yield
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def __del__(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
@@ -389,14 +395,11 @@ class SectorCache:
     """Sectors' uncompressed bytes on disk, keyed by checksum, LRU-bounded to ``max_bytes``
     of entry files."""
 
-    def __init__(
-        self, root: Path, max_bytes: int, reconcile_interval: float = RECONCILE_INTERVAL
-    ) -> None:
+    def __init__(self, root: Path, max_bytes: int) -> None:
         if max_bytes <= 0:
             raise ValueError("cache max_bytes must be positive")
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self.reconcile_interval = reconcile_interval
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
         self._wip = self._dir / "wip"
@@ -417,9 +420,6 @@ class SectorCache:
             self._shared = _SharedUsage(self._dir / USAGE_FILE)
         except OSError as e:
             raise CacheError(f"cannot create sector cache at {self._dir}: {e}") from e
-        # Rescans of a directory found over its cap: one at a time, in the background.
-        self._reconcile_wanted = threading.Event()
-        self._reconciler: threading.Thread | None = None
         self._load()
 
     # --- lookups --------------------------------------------------------------------------
@@ -554,6 +554,11 @@ class SectorCache:
                 self.metrics.put_failures.inc()
                 log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, total)
                 return False
+            # Other processes' entries fill the directory, and this one knows too few of
+            # them to make the room: learn them all, and evict the least recently used.
+            short = self._shared.get() + total > self.max_bytes
+        if short:
+            self._reconcile_for_room()
         tmp = None
         for attempt in (1, 2):
             try:
@@ -574,23 +579,26 @@ class SectorCache:
                 _unlink(tmp)
                 self._touch(checksum)
                 return True
-            try:
-                path.parent.mkdir(exist_ok=True)
-                replaced = os.path.exists(path)  # another process's copy: counted already
-                os.replace(tmp, path)
-            except OSError as e:
-                _unlink(tmp)
-                self.metrics.put_failures.inc()
-                log.warning("sector cache: cannot install %s: %s; not cached", checksum, e)
-                return False
-            self._make_room(total)  # others may have filled the room since we checked
+            # Making room, installing and counting the entry happen as one against other
+            # processes, so that two of them never both fill the same room.
+            with self._shared.held():
+                self._make_room(total)  # others may have filled the room since we checked
+                try:
+                    path.parent.mkdir(exist_ok=True)
+                    replaced = os.path.exists(path)  # another process's copy: counted already
+                    os.replace(tmp, path)
+                except OSError as e:
+                    _unlink(tmp)
+                    self.metrics.put_failures.inc()
+                    log.warning("sector cache: cannot install %s: %s; not cached", checksum, e)
+                    return False
+                directory = self._shared.get() if replaced else self._shared.add(total)
             self._entries[checksum] = total
             self._usage += total
             self._verified[checksum] = _Verified(len(data), VERIFY_BLOCK, digests, time.monotonic())
-            directory = self._shared.get() if replaced else self._shared.add(total)
         self.metrics.puts.inc()
-        if directory > self.max_bytes:  # other processes' entries fill the rest
-            self._want_reconcile()
+        if directory > self.max_bytes:  # others wrote meanwhile, entries this one did not know
+            self._reconcile_for_room()
         return True
 
     @contextlib.contextmanager
@@ -623,13 +631,7 @@ class SectorCache:
             if (self.root / layout).is_dir():
                 freed += sum(size for _, size, _ in cache_entries(self.root, layout))
                 shutil.rmtree(self.root / layout, ignore_errors=True)
-        with self._lock:
-            self._entries.clear()
-            self._usage = 0
-            self._load_locked()
-            self._verified = {k: v for k, v in self._verified.items() if k in self._entries}
-            self._shared.set(self._usage)
-            return freed + self._evict(self._usage - self.max_bytes)
+        return freed + self.reconcile()
 
     def clear(self) -> None:
         """Remove every unpinned entry."""
@@ -894,9 +896,10 @@ class SectorCache:
         process had deleted it). Lock held."""
         size = self._entries.get(checksum, 0)
         self._forget(checksum)
-        if not _unlink(self._path(checksum)):
-            return 0
-        self._shared.add(-size)
+        with self._shared.held():  # deleted and counted as one, as a rescan sees it
+            if not _unlink(self._path(checksum)):
+                return 0
+            self._shared.add(-size)
         return size
 
     def _make_room(self, size: int) -> bool:
@@ -981,10 +984,7 @@ class SectorCache:
         return True
 
     def _load(self) -> None:
-        with self._lock:
-            self._load_locked()
-            self._shared.set(self._usage)
-            freed = self._evict(self._usage - self.max_bytes)
+        freed = self.reconcile()
         log.info(
             "sector cache %s: %d entries, %d bytes (evicted %d bytes over the cap)",
             self._dir,
@@ -992,13 +992,6 @@ class SectorCache:
             self._usage,
             freed,
         )
-
-    def _load_locked(self) -> None:
-        """Rebuild the LRU state from the directory; remove stale temporary files. Lock
-        held."""
-        for _, name, size in self._scan():
-            self._entries[name] = size
-            self._usage += size
 
     def _scan(self) -> list[tuple[float, str, int]]:
         """(last use, checksum, bytes) of every entry file, least recently used first;
@@ -1027,46 +1020,30 @@ class SectorCache:
 
     # --- internals: the directory's cap, over all processes -------------------------------
 
-    def _want_reconcile(self) -> None:
-        """Have the background rescan run (now, or once the last one is
-        ``reconcile_interval`` old). Lock not held."""
-        with self._lock:
-            self._reconcile_wanted.set()
-            if self._reconciler is None:
-                self._reconciler = threading.Thread(
-                    target=self._reconcile_loop, name="lazyblock-cache-reconcile", daemon=True
-                )
-                self._reconciler.start()
-
-    def _reconcile_loop(self) -> None:
-        while True:
-            self._reconcile_wanted.wait(10.0)
-            with self._lock:  # the thread ends when nobody asked for 10 s
-                if not self._reconcile_wanted.is_set():
-                    self._reconciler = None
-                    return
-                self._reconcile_wanted.clear()
-            try:
-                self.reconcile()
-            except OSError as e:
-                log.warning("sector cache: cannot rescan %s: %s", self._dir, e)
-            time.sleep(self.reconcile_interval)
+    def _reconcile_for_room(self) -> None:
+        """``reconcile`` from ``put``, which never fails for want of room."""
+        try:
+            self.reconcile()
+        except OSError as e:
+            log.warning("sector cache: cannot rescan %s: %s", self._dir, e)
 
     def reconcile(self) -> int:
         """Rescan the directory, take in the entries other processes wrote, forget the ones
         they deleted, reset the directory's counter, and evict the least recently used
         entries of all down to the cap. Returns the bytes evicted."""
-        found = self._scan()  # outside the lock: it stats every entry
-        with self._lock:
-            merged: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in found)
-            for name, size in self._entries.items():
-                if name not in merged and os.path.exists(self._path(name)):
-                    merged[name] = size  # put since the scan began: the most recent
-            for name in [k for k in self._entries if k not in merged]:
+        # No process adds or deletes an entry while the scan runs, so what it finds is the
+        # directory's exact count. It stats every entry: measured, 6 ms for 500 entries,
+        # 0.14 s for 20,000 (an 80 GB cache of 4 MiB sectors; 0.4 s with the dentries not
+        # cached), during which this process's cache waits. It runs when the cache is
+        # opened, on gc, and when a put cannot make room among the entries it knows.
+        with self._lock, self._shared.held():
+            found = self._scan()
+            names = {name for _, name, _ in found}
+            for name in [k for k in self._entries if k not in names]:
                 self._verified.pop(name, None)  # deleted by another process
                 self._files.pop(name, None)
-            self._entries = merged
-            self._usage = sum(merged.values())
+            self._entries = OrderedDict((name, size) for _, name, size in found)
+            self._usage = sum(self._entries.values())
             self._shared.set(self._usage)
             freed = self._evict(self._usage - self.max_bytes)
         if freed:
