@@ -88,7 +88,8 @@ class ChaosStore(FaultyStore):
 
 
 class BitRot(threading.Thread):
-    """Flips one byte of a random cache entry file every few milliseconds until stopped."""
+    """Flips one byte of a random cache entry file every few milliseconds until stopped
+    (entry files only: not those being written, not the cache's usage counter)."""
 
     def __init__(self, root: Path, seed: int) -> None:
         super().__init__(name="bit-rot", daemon=True)
@@ -99,7 +100,7 @@ class BitRot(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.003):
-            entries = [p for p in self.root.rglob("*") if p.is_file() and "wip" not in p.parts]
+            entries = [p for p in self.root.glob("*/??/*") if len(p.name) == 32]  # entry files
             if not entries:
                 continue
             path = self.rng.choice(entries)
