@@ -63,10 +63,9 @@ recently used entries to stay under the cap, and making room, writing the entry 
 and counting it happen as one against other processes. One that cannot make room that way
 (the directory is full of entries it does not know) rescans the directory (``reconcile``):
 it takes in the others' entries and evicts the least recently used of all, by their files'
-times.
-An entry another process is reading may be deleted: that read goes on from its open file;
-the next one is a miss. Opening the cache and ``gc()`` trim the directory as a whole too,
-and reset the counter. Within a process every method is thread-safe.
+times. An entry another process is reading may be deleted: that read goes on from its open
+file; the next one is a miss. Opening the cache and ``gc()`` rescan too. Within a process
+every method is thread-safe.
 """
 
 from __future__ import annotations
@@ -907,8 +906,8 @@ class SectorCache:
         the directory's. Lock held."""
         if size > self.max_bytes:
             return False
-        self._evict(self._usage + size - self.max_bytes)
-        self._evict(self._shared.get() + size - self.max_bytes)
+        # The directory's count holds this process's entries too, unless it was damaged.
+        self._evict(max(self._usage, self._shared.get()) + size - self.max_bytes)
         return self._usage + size <= self.max_bytes
 
     def _evict(self, need: int) -> int:
