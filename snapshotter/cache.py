@@ -339,36 +339,46 @@ class _Buffers:
 
 
 class _SharedUsage:
-    """The bytes of entry files in a cache directory, as one 8-byte counter in a file that
-    every process sharing the directory updates under ``flock``. A process that dies between
-    a write and its update, or counts an entry another one also counted, leaves it off by
-    that much until the next rescan (``set``)."""
+    """The bytes of entry files in a cache directory, as one counter in a file that every
+    process sharing the directory updates under ``flock``. A process that dies between a
+    write and its update, or counts an entry another one also counted, leaves it off by that
+    much until the next rescan (``set``).
 
-    _COUNTER = struct.Struct("<q")
+    The file holds the count and a hash of it. One that does not (cut short, damaged, just
+    created, or written by an older version) reads as unknown (None): updates leave it
+    unknown, and the cache rescans the directory, which sets it again."""
+
+    _RECORD = struct.Struct("<qQ")  # count, xxh3-64 of the count's 8 bytes
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._lock = threading.RLock()  # flock excludes other processes, not other threads
         self._depth = 0
 
-    def add(self, delta: int) -> int:
-        """Add ``delta`` (negative: bytes deleted); returns the new total."""
+    def add(self, delta: int) -> int | None:
+        """Add ``delta`` (negative: bytes deleted); returns the new total (None: unknown)."""
         with self.held():
-            total = max(0, self._read() + delta)
-            os.pwrite(self._fd, self._COUNTER.pack(total), 0)
+            total = self._read()
+            if total is None:
+                return None
+            total = max(0, total + delta)
+            self._write(total)
             return total
 
     def set(self, total: int) -> None:
         with self.held():
-            os.pwrite(self._fd, self._COUNTER.pack(total), 0)
+            self._write(total)
 
-    def get(self) -> int:
+    def get(self) -> int | None:
         with self.held():
             return self._read()
 
-    def _read(self) -> int:
-        raw = os.pread(self._fd, self._COUNTER.size, 0)
-        return self._COUNTER.unpack(raw)[0] if len(raw) == self._COUNTER.size else 0
+    def _read(self) -> int | None:
+        return usage_record(os.pread(self._fd, self._RECORD.size, 0))
+
+    def _write(self, total: int) -> None:
+        count = struct.pack("<q", total)
+        os.pwrite(self._fd, count + struct.pack("<Q", xxhash.xxh3_64_intdigest(count)), 0)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -388,6 +398,25 @@ class _SharedUsage:
     def __del__(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.close(self._fd)
+
+
+def usage_record(raw: bytes) -> int | None:
+    """The count in a usage counter file's bytes; None if they are not a whole, intact
+    record."""
+    if len(raw) != _SharedUsage._RECORD.size:
+        return None
+    total, check = _SharedUsage._RECORD.unpack(raw)
+    return total if check == xxhash.xxh3_64_intdigest(raw[:8]) and total >= 0 else None
+
+
+def shared_usage(root: os.PathLike[str] | str) -> int | None:
+    """The directory-wide count of a cache's entry bytes, as its processes keep it (None:
+    unknown until a cache opened on it rescans)."""
+    try:
+        with open(os.path.join(root, LAYOUT_VERSION, USAGE_FILE), "rb") as f:
+            return usage_record(f.read(_SharedUsage._RECORD.size + 1))
+    except OSError:
+        return None
 
 
 class SectorCache:
@@ -555,7 +584,8 @@ class SectorCache:
                 return False
             # Other processes' entries fill the directory, and this one knows too few of
             # them to make the room: learn them all, and evict the least recently used.
-            short = self._shared.get() + total > self.max_bytes
+            directory = self._shared.get()
+            short = directory is None or directory + total > self.max_bytes
         if short:
             self._reconcile_for_room()
         tmp = None
@@ -596,7 +626,8 @@ class SectorCache:
             self._usage += total
             self._verified[checksum] = _Verified(len(data), VERIFY_BLOCK, digests, time.monotonic())
         self.metrics.puts.inc()
-        if directory > self.max_bytes:  # others wrote meanwhile, entries this one did not know
+        # Others wrote meanwhile, entries this one did not know (or the count was lost).
+        if directory is None or directory > self.max_bytes:
             self._reconcile_for_room()
         return True
 
@@ -907,7 +938,8 @@ class SectorCache:
         if size > self.max_bytes:
             return False
         # The directory's count holds this process's entries too, unless it was damaged.
-        self._evict(max(self._usage, self._shared.get()) + size - self.max_bytes)
+        directory = self._shared.get() or 0
+        self._evict(max(self._usage, directory) + size - self.max_bytes)
         return self._usage + size <= self.max_bytes
 
     def _evict(self, need: int) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import support
+import xxhash
 from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
@@ -25,6 +26,7 @@ from snapshotter.cache import (
     SectorCache,
     cache_entries,
     entry_file_size,
+    shared_usage,
 )
 
 
@@ -203,11 +205,37 @@ def test_a_counter_left_wrong_is_reset_when_the_cache_is_opened(tmp_path: Path) 
         cache.put(key, stored)
     # What a process killed between writing an entry and counting it could leave behind.
     usage = tmp_path / LAYOUT_VERSION / "usage"
-    usage.write_bytes((50 << 30).to_bytes(8, "little"))
+    count = (50 << 30).to_bytes(8, "little")
+    usage.write_bytes(count + xxhash.xxh3_64_intdigest(count).to_bytes(8, "little"))
+    assert shared_usage(tmp_path) == 50 << 30
     reopened = SectorCache(tmp_path, 1 << 20)
     assert reopened.put(*entries[3])
     assert all(key in reopened for key, _ in entries)  # nothing evicted for a wrong count
-    assert int.from_bytes(usage.read_bytes(), "little") == directory_bytes(tmp_path)
+    assert shared_usage(tmp_path) == directory_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["cut", "flipped", "old-layout"])
+def test_a_damaged_counter_is_rebuilt_by_the_next_put(tmp_path: Path, damage: str) -> None:
+    # Damaged under running caches, the counter must not read as a small count (a counter
+    # cut short once read as 0, and the directory could then pass its cap until the next
+    # open or gc): the next put rescans and the directory ends at its cap.
+    rng = random.Random(23)
+    entries = [random_entry(rng, 60_000) for _ in range(12)]
+    cap = 4 * on_disk(entries[0][1])
+    one, two = SectorCache(tmp_path, cap), SectorCache(tmp_path, cap)
+    for key, stored in entries[:4]:
+        assert one.put(key, stored)
+    usage = tmp_path / LAYOUT_VERSION / "usage"
+    good = usage.read_bytes()
+    usage.write_bytes(
+        {"cut": b"", "flipped": good[:3] + bytes([good[3] ^ 1]) + good[4:],
+         "old-layout": good[:8]}[damage]
+    )  # fmt: skip
+    assert shared_usage(tmp_path) is None
+    for key, stored in entries[4:]:  # the other process, which knows none of one's entries
+        assert two.put(key, stored)
+        assert directory_bytes(tmp_path) <= cap
+    assert shared_usage(tmp_path) == directory_bytes(tmp_path)
 
 
 _WRITER = """
@@ -243,8 +271,7 @@ def test_processes_writing_at_once_keep_the_directory_under_its_cap(tmp_path: Pa
     assert [w.wait() for w in writers] == [0, 0, 0]
     assert peak <= cap + 3 * one, (peak, cap)
     assert directory_bytes(tmp_path) <= cap
-    counter = tmp_path / LAYOUT_VERSION / "usage"
-    assert int.from_bytes(counter.read_bytes(), "little") == directory_bytes(tmp_path)
+    assert shared_usage(tmp_path) == directory_bytes(tmp_path)
 
 
 def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
