@@ -333,6 +333,25 @@ def _read_ahead_kb(mnt: Path) -> int | None:
         return None
 
 
+def machine_facts() -> dict[str, object]:
+    """What the figures depend on besides the code. ``free_page_reporting``: the VM's
+    balloon hands memory freed in the guest back to the host (virtio-balloon's REPORTING
+    feature), in blocks of 2^``page_reporting_order`` pages: the host then backs a page again
+    only when the guest next touches it, and filling the page cache of a cold pass (every
+    page new) costs several times what filling pages already backed does (results README,
+    session 10)."""
+    facts: dict[str, object] = {"cpus": os.cpu_count(), "kernel": os.uname().release}
+    reporting = False
+    for features in Path("/sys/bus/virtio/drivers/virtio_balloon").glob("virtio*/features"):
+        bits = features.read_text().strip()
+        reporting |= len(bits) > 5 and bits[5] == "1"  # VIRTIO_BALLOON_F_REPORTING
+    facts["free_page_reporting"] = reporting
+    order = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+    if reporting and order.exists():
+        facts["page_reporting_order"] = int(order.read_text())
+    return facts
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -369,7 +388,11 @@ def main() -> int:
         variants[name] = str(Path(path).resolve())
     t = time.monotonic()
     registry, ref, tree = setup(work, args.size, args.reuse)
-    results: dict[str, object] = {"image_bytes": args.size, "setup_seconds": time.monotonic() - t}
+    results: dict[str, object] = {
+        "image_bytes": args.size,
+        "setup_seconds": time.monotonic() - t,
+        "machine": machine_facts(),
+    }
     remote = None
     options = StoreOptions(plain_http=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
