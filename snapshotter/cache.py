@@ -377,8 +377,8 @@ class _SharedUsage:
         return usage_record(os.pread(self._fd, self._RECORD.size, 0))
 
     def _write(self, total: int) -> None:
-        count = struct.pack("<q", total)
-        os.pwrite(self._fd, count + struct.pack("<Q", xxhash.xxh3_64_intdigest(count)), 0)
+        check = xxhash.xxh3_64_intdigest(struct.pack("<q", total))
+        os.pwrite(self._fd, self._RECORD.pack(total, check), 0)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
