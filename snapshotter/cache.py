@@ -374,11 +374,11 @@ class _SharedUsage:
             return self._read()
 
     def _read(self) -> int | None:
-        return usage_record(os.pread(self._fd, self._RECORD.size, 0))
+        # One byte more than a record: a longer file is damaged too (as ``shared_usage``).
+        return usage_record(os.pread(self._fd, self._RECORD.size + 1, 0))
 
     def _write(self, total: int) -> None:
-        check = xxhash.xxh3_64_intdigest(struct.pack("<q", total))
-        os.pwrite(self._fd, self._RECORD.pack(total, check), 0)
+        os.pwrite(self._fd, usage_bytes(total), 0)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -398,6 +398,12 @@ class _SharedUsage:
     def __del__(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.close(self._fd)
+
+
+def usage_bytes(total: int) -> bytes:
+    """A usage counter file's bytes for ``total`` (what ``usage_record`` reads)."""
+    check = xxhash.xxh3_64_intdigest(struct.pack("<q", total))
+    return _SharedUsage._RECORD.pack(total, check)
 
 
 def usage_record(raw: bytes) -> int | None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import support
-import xxhash
 from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
@@ -27,6 +26,7 @@ from snapshotter.cache import (
     cache_entries,
     entry_file_size,
     shared_usage,
+    usage_bytes,
 )
 
 
@@ -205,8 +205,7 @@ def test_a_counter_left_wrong_is_reset_when_the_cache_is_opened(tmp_path: Path) 
         cache.put(key, stored)
     # What a process killed between writing an entry and counting it could leave behind.
     usage = tmp_path / LAYOUT_VERSION / "usage"
-    count = (50 << 30).to_bytes(8, "little")
-    usage.write_bytes(count + xxhash.xxh3_64_intdigest(count).to_bytes(8, "little"))
+    usage.write_bytes(usage_bytes(50 << 30))
     assert shared_usage(tmp_path) == 50 << 30
     reopened = SectorCache(tmp_path, 1 << 20)
     assert reopened.put(*entries[3])
