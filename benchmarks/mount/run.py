@@ -18,7 +18,11 @@ Measures, on the same image:
   registry on loopback) and **warm** (sectors in the local cache, kernel page cache dropped;
   ``warm_rand_fresh`` in a new server process, which has verified nothing yet);
 * the same reads from the tree unpacked on local disk (page cache dropped): the reference;
-* what the store itself serves (parallel ranged reads of the whole data blob).
+* what the store itself serves (parallel ranged reads of the whole data blob);
+* where a warm random read's time goes: the same 128 KiB reads one at a time (p50 and p90
+  latency, ``warm_qd1_us``) through the mount and through each layer under it, read with
+  ``O_DIRECT`` (the FUSE file the server answers, the loop device on it), and from the local
+  tree (``local_rand_qd1_p50_us``).
 
 The machine is shared, so everything is measured in the same run: ``--rounds`` repeats the
 whole set, interleaving the references with each ``--variant`` (another checkout of the
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import mmap
 import os
 import random
 import shutil
@@ -57,6 +62,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +77,15 @@ from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa:
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
 from snapshotter import mount as api  # noqa: E402
+from snapshotter import state  # noqa: E402
 from snapshotter.config import MountConfig  # noqa: E402
+from snapshotter.fuse import IMAGE_NAME  # noqa: E402
 
 MIB = 1 << 20
 FILE_SIZE = 64 * MIB
 RANDOM_READ = 128 << 10
 RANDOM_COUNT = 2000
+LATENCY_COUNT = 500
 
 
 def drop_caches() -> None:
@@ -181,6 +190,48 @@ def rand_read(root: Path, seed: int = 7) -> float:
     return total / elapsed / 1e6
 
 
+def rand_latency(root: Path, seed: int = 11) -> dict[str, float]:
+    """p50 and p90 (us) of 128 KiB preads at random offsets over all big files, one at a
+    time: the latency the throughput of ``rand_read`` hides."""
+    rng = random.Random(seed)
+    files = files_of(root)
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
+    try:
+        plan = [
+            (fds[rng.choice(files)], rng.randrange(0, FILE_SIZE - RANDOM_READ))
+            for _ in range(LATENCY_COUNT)
+        ]
+        return _latencies(lambda fd, offset: os.pread(fd, RANDOM_READ, offset), plan)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def raw_latency(path: Path, seed: int = 12) -> dict[str, float]:
+    """As ``rand_latency``, on one file or block device read with ``O_DIRECT`` at random
+    page-aligned offsets (the FUSE file, the loop device: the layers under the mount)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        rng = random.Random(seed)
+        plan = [(fd, rng.randrange(0, size - RANDOM_READ) // 4096 * 4096)
+                for _ in range(LATENCY_COUNT)]  # fmt: skip
+        buf = mmap.mmap(-1, RANDOM_READ)  # page-aligned, as O_DIRECT needs
+        return _latencies(lambda fd, offset: os.preadv(fd, [buf], offset), plan)
+    finally:
+        os.close(fd)
+
+
+def _latencies(read: Callable[[int, int], object], plan: list[tuple[int, int]]) -> dict[str, float]:
+    took = []
+    for fd, offset in plan:
+        start = time.perf_counter()
+        read(fd, offset)
+        took.append(time.perf_counter() - start)
+    took.sort()
+    return {"p50": took[len(took) // 2] * 1e6, "p90": took[len(took) * 9 // 10] * 1e6}
+
+
 def store_throughput(
     ref: str,
     options: StoreOptions,
@@ -282,6 +333,7 @@ def measure(
         out["warm_rand_MBps"] = rand_read(mnt)
         fetch = api.stats(mnt, cfg)["fetch"]
         out["warm_reads"] = fetch["reads"] - out["cold_fetch"]["reads"]  # type: ignore[index]
+        out["warm_qd1_us"] = layer_latencies(mnt, cfg)
     finally:
         api.unmount(mnt, cfg)
     # warm random in a new server process: nothing of the cache verified yet
@@ -299,6 +351,23 @@ def measure(
         out["cold_rand_MBps"] = rand_read(mnt)
     finally:
         api.unmount(mnt, cfg)
+    return out
+
+
+def layer_latencies(mnt: Path, cfg: MountConfig) -> dict[str, dict[str, float]]:
+    """Warm random reads one at a time, through the mount and through each layer under it:
+    the FUSE file the server answers, and the loop device on it (when there is one). Where a
+    read's time goes on this machine, the page cache dropped before each."""
+    stats = api.stats(mnt, cfg)
+    layers = {"fuse_file": state.mount_dir(cfg.state_dir, mnt) / state.FUSE_DIR / IMAGE_NAME}
+    if stats.get("loop_device"):
+        layers["loop_device"] = Path(stats["loop_device"])
+    out = {}
+    for name, path in layers.items():
+        drop_caches()
+        out[name] = raw_latency(path)
+    drop_caches()
+    out["mount"] = rand_latency(mnt)
     return out
 
 
@@ -396,7 +465,9 @@ def main() -> int:
     remote = None
     options = StoreOptions(plain_http=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
-    base: dict[str, list[float]] = {"store_MBps": [], "local_seq_MBps": [], "local_rand_MBps": []}
+    base: dict[str, list[float]] = {
+        "store_MBps": [], "local_seq_MBps": [], "local_rand_MBps": [], "local_rand_qd1_p50_us": []
+    }  # fmt: skip
     store_cpu: list[dict[str, float]] = []
     pids = {"registry": registry.proc.pid}
     try:
@@ -423,6 +494,8 @@ def main() -> int:
                 base["local_seq_MBps"].append(seq_read(tree))
                 drop_caches()
                 base["local_rand_MBps"].append(rand_read(tree))
+                drop_caches()
+                base["local_rand_qd1_p50_us"].append(rand_latency(tree)["p50"])
             # Alternate the variants' order: what runs first after the references meets the
             # machine in another state (page cache, disk queue) than what follows it.
             order = list(variants.items())
@@ -470,6 +543,11 @@ def main() -> int:
         target = 0.7 * results["store_MBps"] / 1e3  # type: ignore[operator]  # GB/s of image
         r["cold_seq_cpu_per_GB_for_target"] = cpus / target
         r["cold_fetch"] = passes[-1]["cold_fetch"]
+        layers = passes[0]["warm_qd1_us"]
+        r["warm_qd1_us"] = {
+            layer: _median_of([p["warm_qd1_us"][layer] for p in passes])  # type: ignore[index]
+            for layer in layers  # type: ignore[union-attr]
+        }
         r["backing"] = passes[-1]["backing"]
         r["read_ahead_kb"] = passes[-1]["read_ahead_kb"]
         r["max_sectors_kb"] = passes[-1]["max_sectors_kb"]
