@@ -286,6 +286,60 @@ def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
     assert len(cache) == 0 and cache.usage() == 0
 
 
+def test_reads_go_on_while_the_directory_is_rescanned(tmp_path: Path) -> None:
+    # A rescan stats every entry (0.14-0.4 s for 20,000) holding the directory's lock. Reads
+    # of this process must not wait for it, nor behind a put that waits for the directory.
+    rng = random.Random(8)
+    a, b = random_entry(rng), random_entry(rng)
+    cache = SectorCache(tmp_path, 1 << 20)
+    assert cache.put(*a)
+    scanning, finish = threading.Event(), threading.Event()
+    real_scan, real_held = cache._scan, cache._shared.held
+    putter_waits = threading.Event()
+
+    def slow_scan() -> list[tuple[float, str, int]]:
+        scanning.set()
+        assert finish.wait(30)
+        return real_scan()
+
+    def held():  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "putter":
+            putter_waits.set()  # about to wait for the directory, which the rescan holds
+        return real_held()
+
+    cache._scan = slow_scan  # type: ignore[method-assign]
+    cache._shared.held = held  # type: ignore[method-assign]
+    rescan = threading.Thread(target=cache.gc)
+    putter = threading.Thread(target=cache.put, args=b, name="putter")
+    try:
+        rescan.start()
+        assert scanning.wait(10)
+        assert read_within(cache, a[0], 10) == a[1]  # during the scan
+        putter.start()
+        assert putter_waits.wait(10)
+        assert read_within(cache, a[0], 10) == a[1]  # and while a put waits for it
+        assert putter.is_alive() and rescan.is_alive()
+    finally:
+        finish.set()
+        for thread in (rescan, putter):
+            if thread.ident is not None:  # started
+                thread.join()
+    assert cache.get(b[0]) == b[1]
+    files = directory_bytes(tmp_path)
+    assert cache.usage() == files == shared_usage(tmp_path) == on_disk(a[1]) + on_disk(b[1])
+
+
+def read_within(cache: SectorCache, key: str, seconds: float) -> bytes | None:
+    """``cache.get(key)`` from another thread; fails if it has not returned in ``seconds``
+    (a read stuck behind a lock)."""
+    got: list[bytes | None] = []
+    reader = threading.Thread(target=lambda: got.append(cache.get(key)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert not reader.is_alive(), "the read waited for the rescan"
+    return got[0]
+
+
 def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
     rng = random.Random(7)
     entries = [random_entry(rng, 5000) for _ in range(40)]
