@@ -1091,16 +1091,16 @@ class SectorCache:
         # runs when the cache is opened, on gc, and when a put cannot make room among the
         # entries it knows.
         with self._shared.held():
-            found = self._scan()
-            names = {name for _, name, _ in found}
+            entries = OrderedDict((name, size) for _, name, size in self._scan())
+            usage = sum(entries.values())
             with self._lock:
-                for name in [k for k in self._entries if k not in names]:
+                for name in [k for k in self._entries if k not in entries]:
                     self._verified.pop(name, None)  # deleted by another process
                     self._files.pop(name, None)
-                self._entries = OrderedDict((name, size) for _, name, size in found)
-                self._usage = sum(self._entries.values())
-                self._shared.set(self._usage)
-                freed = self._evict(self._usage - self.max_bytes)
+                self._entries = entries
+                self._usage = usage
+                self._shared.set(usage)
+                freed = self._evict(usage - self.max_bytes)
         if freed:
             log.info("sector cache %s: evicted %d bytes to keep the directory under its cap",
                      self._dir, freed)  # fmt: skip
