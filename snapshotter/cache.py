@@ -684,9 +684,13 @@ class SectorCache:
 
     def clear(self) -> None:
         """Remove every unpinned entry."""
-        with self._shared.held(), self._lock:
-            for checksum in [k for k in self._entries if k not in self._pins]:
-                self._delete(checksum)
+        with self._lock:
+            checksums = list(self._entries)
+        # One at a time: other processes' puts go on between the deletions.
+        for checksum in checksums:
+            with self._shared.held(), self._lock:
+                if checksum in self._entries and checksum not in self._pins:
+                    self._delete(checksum)
 
     # --- internals: reads -----------------------------------------------------------------
 

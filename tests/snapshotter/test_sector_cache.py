@@ -340,6 +340,44 @@ def read_within(cache: SectorCache, key: str, seconds: float) -> bytes | None:
     return got[0]
 
 
+def test_clear_lets_other_processes_put_between_its_deletions(tmp_path: Path) -> None:
+    # `snapshotter cache clear` on a live node: the mount servers' puts must not wait for
+    # thousands of deletions at once.
+    rng = random.Random(10)
+    entries = [random_entry(rng) for _ in range(3)]
+    cache = SectorCache(tmp_path, 1 << 20)
+    for e in entries:
+        assert cache.put(*e)
+    other = SectorCache(tmp_path, 1 << 20)  # another process's (its own hold on the directory)
+    between, go_on = threading.Event(), threading.Event()
+    real_held = cache._shared.held
+    outer = [0]
+
+    def held():  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "clear" and not cache._shared.owned():
+            outer[0] += 1
+            if outer[0] == 2:  # between the first deletion and the second
+                between.set()
+                assert go_on.wait(30)
+        return real_held()
+
+    cache._shared.held = held  # type: ignore[method-assign]
+    clearing = threading.Thread(target=cache.clear, name="clear")
+    clearing.start()
+    try:
+        assert between.wait(10), "clear held the directory across its deletions"
+        new = random_entry(rng)
+        putter = threading.Thread(target=other.put, args=new, daemon=True)
+        putter.start()
+        putter.join(10)
+        assert not putter.is_alive(), "the other process's put waited for the clear"
+    finally:
+        go_on.set()
+        clearing.join()
+    assert len(cache) == 0 and other.get(new[0]) == new[1]
+    assert shared_usage(tmp_path) == directory_bytes(tmp_path) == on_disk(new[1])
+
+
 def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
     rng = random.Random(7)
     entries = [random_entry(rng, 5000) for _ in range(40)]
