@@ -594,7 +594,7 @@ class SectorCache:
         digests = block_digests(data)
         trailer = entry_trailer(checksum, len(data), digests)
         total = _aligned(len(data)) + len(trailer)
-        with self._shared.held(), self._lock:
+        with self._changing():
             if checksum in self._entries:
                 self._touch(checksum)
                 return True
@@ -618,14 +618,14 @@ class SectorCache:
                     self.metrics.put_failures.inc()
                     log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
                     return False
-                with self._shared.held(), self._lock:
+                with self._changing():
                     freed = self._evict(total + ENOSPC_SLACK_BYTES)
                 log.info("sector cache: disk full, evicted %d bytes and retrying", freed)
         assert tmp is not None
         path = self._path(checksum)
         # Making room, installing and counting the entry happen as one against other
         # processes, so that two of them never both fill the same room.
-        with self._shared.held(), self._lock:
+        with self._changing():
             if checksum in self._entries:  # another thread won the race
                 _unlink(tmp)
                 self._touch(checksum)
@@ -667,7 +667,7 @@ class SectorCache:
 
     def discard(self, checksum: str) -> None:
         """Remove one entry, if present."""
-        with self._shared.held(), self._lock:
+        with self._changing():
             if checksum in self._entries:
                 self._delete(checksum)
 
@@ -688,7 +688,7 @@ class SectorCache:
             checksums = list(self._entries)
         # One at a time: other processes' puts go on between the deletions.
         for checksum in checksums:
-            with self._shared.held(), self._lock:
+            with self._changing():
                 if checksum in self._entries and checksum not in self._pins:
                     self._delete(checksum)
 
@@ -884,7 +884,7 @@ class SectorCache:
 
     def _corrupt(self, checksum: str, file: _File, why: str) -> None:
         path = self._path(checksum)
-        with self._shared.held(), self._lock:
+        with self._changing():
             self.metrics.corrupt.inc()
             self.metrics.misses.inc()
             log.warning("sector cache: entry %s is corrupt (%s); deleted", path, why)
@@ -944,9 +944,15 @@ class SectorCache:
         self._verified.pop(checksum, None)
         self._files.pop(checksum, None)
 
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Both locks, the directory's first: held to install, delete or count an entry."""
+        with self._shared.held(), self._lock:
+            yield
+
     def _delete(self, checksum: str) -> int:
         """Forget an entry and delete its file; returns the bytes that freed (0 if another
-        process had deleted it). Both locks held: deleted and counted as one, as a rescan
+        process had deleted it). Under ``_changing``: deleted and counted as one, as a rescan
         sees it."""
         assert self._shared.owned(), "the directory's lock comes first"
         size = self._entries.get(checksum, 0)
@@ -958,7 +964,7 @@ class SectorCache:
 
     def _make_room(self, size: int) -> bool:
         """Evict until ``size`` more bytes fit under the cap, in this process's count and in
-        the directory's. Both locks held."""
+        the directory's. Under ``_changing``."""
         if size > self.max_bytes:
             return False
         # The directory's count holds this process's entries too, unless it was damaged.
@@ -968,7 +974,7 @@ class SectorCache:
 
     def _evict(self, need: int) -> int:
         """Evict unpinned entries, oldest first, until ``need`` bytes are freed or nothing
-        unpinned is left. Both locks held. Returns the bytes freed."""
+        unpinned is left. Under ``_changing``. Returns the bytes freed."""
         freed = 0
         if need <= 0:
             return 0
