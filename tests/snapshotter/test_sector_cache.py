@@ -10,7 +10,9 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import support
@@ -28,6 +30,8 @@ from snapshotter.cache import (
     shared_usage,
     usage_bytes,
 )
+
+T = TypeVar("T")
 
 
 def entry(data: bytes) -> tuple[str, bytes]:
@@ -314,10 +318,11 @@ def test_reads_go_on_while_the_directory_is_rescanned(tmp_path: Path) -> None:
     try:
         rescan.start()
         assert scanning.wait(10)
-        assert read_within(cache, a[0], 10) == a[1]  # during the scan
+        read = lambda: cache.get(a[0])  # noqa: E731
+        assert returns_within(read, 10, "the read waited for the rescan") == a[1]
         putter.start()
-        assert putter_waits.wait(10)
-        assert read_within(cache, a[0], 10) == a[1]  # and while a put waits for it
+        assert putter_waits.wait(10)  # and while a put waits for the directory:
+        assert returns_within(read, 10, "the read waited behind the put") == a[1]
         assert putter.is_alive() and rescan.is_alive()
     finally:
         finish.set()
@@ -329,14 +334,14 @@ def test_reads_go_on_while_the_directory_is_rescanned(tmp_path: Path) -> None:
     assert cache.usage() == files == shared_usage(tmp_path) == on_disk(a[1]) + on_disk(b[1])
 
 
-def read_within(cache: SectorCache, key: str, seconds: float) -> bytes | None:
-    """``cache.get(key)`` from another thread; fails if it has not returned in ``seconds``
-    (a read stuck behind a lock)."""
-    got: list[bytes | None] = []
-    reader = threading.Thread(target=lambda: got.append(cache.get(key)), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    assert not reader.is_alive(), "the read waited for the rescan"
+def returns_within(call: Callable[[], T], seconds: float, stuck: str) -> T:
+    """``call()`` on another thread; fails with ``stuck`` if it has not returned within
+    ``seconds`` (stuck behind a lock)."""
+    got: list[T] = []
+    thread = threading.Thread(target=lambda: got.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), stuck
     return got[0]
 
 
@@ -367,10 +372,7 @@ def test_clear_lets_other_processes_put_between_its_deletions(tmp_path: Path) ->
     try:
         assert between.wait(10), "clear held the directory across its deletions"
         new = random_entry(rng)
-        putter = threading.Thread(target=other.put, args=new, daemon=True)
-        putter.start()
-        putter.join(10)
-        assert not putter.is_alive(), "the other process's put waited for the clear"
+        assert returns_within(lambda: other.put(*new), 10, "the other process's put waited")
     finally:
         go_on.set()
         clearing.join()
