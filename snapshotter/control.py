@@ -8,13 +8,14 @@ root-only (mode 0600 inside the state directory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from snapshotter.errors import SnapshotterError
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20  # a profile of a huge image is a few MB of paths
+# A unix socket's address holds 107 bytes of path (sun_path, with its NUL).
+MAX_SOCKET_PATH = 107
 
 
 class ControlError(SnapshotterError):
@@ -55,7 +58,8 @@ class ControlServer:
             path.unlink()
         old = os.umask(0o177)
         try:
-            self._server = socketserver.ThreadingUnixStreamServer(str(path), _Handler)
+            with _address(path) as address:
+                self._server = socketserver.ThreadingUnixStreamServer(address, _Handler)
         finally:
             os.umask(old)
         self._server.daemon_threads = True
@@ -77,7 +81,8 @@ def request(path: Path, op: str, timeout: float = 10.0, **args: Any) -> Any:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(str(path))
+            with _address(path) as address:
+                s.connect(address)
             s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
             with s.makefile("rb") as f:
                 line = f.readline(MAX_MESSAGE)
@@ -90,3 +95,18 @@ def request(path: Path, op: str, timeout: float = 10.0, **args: Any) -> Any:
     if not answer.get("ok"):
         raise ControlError(f"mount server: {answer.get('error', 'unknown error')}")
     return answer.get("result")
+
+
+@contextlib.contextmanager
+def _address(path: Path) -> Iterator[str]:
+    """``path`` as a unix socket address: itself where it fits, else the socket's name in
+    an open descriptor of its directory (``/proc/self/fd/N/NAME``), so that a state
+    directory deeper than a socket address allows still works."""
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
