@@ -20,6 +20,7 @@ Every key is documented in ``deploy/config.toml.example``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -110,11 +111,14 @@ class MountConfig:
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The document for the server; relative paths made absolute, since the server
+        does not run in this process's directory."""
         doc = dataclasses.asdict(self)
-        doc["cache_dir"] = str(self.cache_dir)
-        doc["state_dir"] = str(self.state_dir)
+        doc["cache_dir"] = os.path.abspath(self.cache_dir)
+        doc["state_dir"] = os.path.abspath(self.state_dir)
         store = doc["store"]
-        store["docker_config"] = str(self.store.docker_config) if self.store.docker_config else None
+        docker_config = self.store.docker_config
+        store["docker_config"] = os.path.abspath(docker_config) if docker_config else None
         return doc
 
     @classmethod

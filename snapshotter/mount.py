@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from imagetool.errors import ReferenceError_
+from imagetool.stores.refs import absolute_ref
 from snapshotter import control, forkserver, kernel, state
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
@@ -132,6 +134,10 @@ def mount(
     only for a caller that has no threads and runs the code it imported (the
     ``snapshotter`` command; a process with threads gets a new interpreter)."""
     mountpoint = Path(os.path.abspath(mountpoint))
+    try:
+        ref = absolute_ref(ref)  # the server does not run in this directory
+    except ReferenceError_ as e:
+        raise MountError(f"cannot mount {ref} at {mountpoint}: ReferenceError_: {e}") from None
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)
     if record is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from imagetool.errors import ReferenceError_
 from imagetool.stores.base import Store, StoreOptions
-from imagetool.stores.refs import DEFAULT_TAG, ImageRef, parse_ref
+from imagetool.stores.refs import DEFAULT_TAG, ImageRef, absolute_ref, parse_ref
 
 __all__ = [
     "DEFAULT_TAG",
@@ -22,6 +22,7 @@ __all__ = [
     "S3Store",
     "Store",
     "StoreOptions",
+    "absolute_ref",
     "open_store",
     "parse_ref",
 ]

@@ -14,8 +14,9 @@ turns a reference into a ``Store``.
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from imagetool.errors import ReferenceError_
 
@@ -103,6 +104,16 @@ def parse_ref(text: str) -> ImageRef:
     raise ReferenceError_(
         f"unknown store scheme {scheme!r} in {text!r} (use a path, file://, s3:// or docker://)"
     )
+
+
+def absolute_ref(text: str) -> str:
+    """``text`` with a relative directory store made absolute (against the current
+    directory), for a reference handed to a process that may run elsewhere (a mount's
+    server); any other reference is returned as it is. ``ReferenceError_`` if malformed."""
+    ref = parse_ref(text)
+    if ref.scheme != SCHEME_DIR or os.path.isabs(ref.store_url):
+        return text
+    return str(replace(ref, store_url=os.path.abspath(ref.store_url)))
 
 
 def _split_tag_digest(last: str, text: str) -> tuple[str, str | None, str | None]:

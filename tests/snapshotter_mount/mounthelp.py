@@ -15,10 +15,12 @@ def with_store_options(cfg: MountConfig, **store: object) -> MountConfig:
     return replace(cfg, store=replace(cfg.store, **store))
 
 
-def snapshotter(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def snapshotter(
+    *args: str, check: bool = True, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the real CLI (what an operator runs)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "snapshotter.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "snapshotter.cli", *args], capture_output=True, text=True, cwd=cwd
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"snapshotter {' '.join(args)} failed: {proc.stderr}")

@@ -66,6 +66,38 @@ def test_mount_directory_store_matches_the_source_tree(
     snapshotter("umount", str(mnt), *_cli_args(config))
 
 
+def test_cli_paths_are_relative_to_where_it_runs(
+    config, umoci_source, umoci_dir_ref, tmp_path
+) -> None:  # noqa: ANN001
+    """A relative REF, cache and state directory mean what they do where the command runs,
+    though a mount's server runs elsewhere (the second mount's comes from the fork server,
+    which works in /)."""
+    work = tmp_path / "work"
+    for name in ("a", "b"):
+        (work / name).mkdir(parents=True)
+    ref = os.path.relpath(umoci_dir_ref, work)
+    args = ["--state-dir", "state", "--cache-dir", "cache"]
+    local = replace(config, state_dir=work / "state", cache_dir=work / "cache")
+    try:
+        for name in ("a", "b"):
+            snapshotter("mount", ref, name, "--no-prefetch", *args, cwd=work)
+            assert snapshot(work / name) == snapshot(umoci_source[1])
+        status = json.loads(snapshotter("status", "--json", *args, cwd=work).stdout)
+        assert sorted(m["mountpoint"] for m in status["mounts"]) == [
+            str(work / "a"),
+            str(work / "b"),
+        ]
+        assert {m["ref"] for m in status["mounts"]} == {umoci_dir_ref}
+        assert status["cache"]["dir"] == "cache" and status["cache"]["entries"] > 0
+        assert len(list((work / "cache").rglob("*"))) >= status["cache"]["entries"]
+        for name in ("a", "b"):
+            snapshotter("umount", name, *args, cwd=work)
+        assert api.list_mounts(local) == []
+    finally:
+        for info in api.list_mounts(local):
+            api.unmount(info.mountpoint, local, lazy=True)
+
+
 def test_mount_from_s3(config, umoci_source, s3_bucket, tmp_path) -> None:  # noqa: ANN001
     ref = f"s3://{s3_bucket}/images/app:v1"
     images.convert(umoci_source[0], "v1", ref, "--sector-size", "256KiB")

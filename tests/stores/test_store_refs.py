@@ -8,7 +8,7 @@ import pytest
 
 from imagetool.errors import NotFoundError, ReferenceError_
 from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.stores import ImageRef, StoreOptions, open_store, parse_ref
+from imagetool.stores import ImageRef, StoreOptions, absolute_ref, open_store, parse_ref
 from imagetool.stores.dir import DirStore
 from imagetool.stores.registry import RegistryStore
 from imagetool.stores.s3 import S3Store
@@ -113,6 +113,17 @@ def test_resolve_ref_by_index_digest(tmp_path: Path, image) -> None:
         store.resolve_ref(parse_ref(f"{tmp_path}/app@{D}"))
     with pytest.raises(NotFoundError):
         store.resolve_ref(parse_ref(f"{tmp_path}/app:nope"))
+
+
+def test_absolute_ref_anchors_only_relative_directory_stores(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    assert absolute_ref("store/app:v1") == f"{tmp_path}/store/app:v1"
+    assert absolute_ref("./a/../store/app") == f"{tmp_path}/store/app:latest"
+    assert absolute_ref(f"store/app@{D}") == f"{tmp_path}/store/app@{D}"
+    for text in ("/srv/app", "file:///srv/app", "s3://bucket/app:v1", "docker://h:5000/a/app"):
+        assert absolute_ref(text) == text  # as written
+    with pytest.raises(ReferenceError_):
+        absolute_ref("store/app:bad tag")
 
 
 def test_exports() -> None:
