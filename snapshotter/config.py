@@ -110,15 +110,27 @@ class MountConfig:
 
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
 
-    def to_dict(self) -> dict[str, Any]:
-        """The document for the server; relative paths made absolute, since the server
-        does not run in this process's directory."""
-        doc = dataclasses.asdict(self)
-        doc["cache_dir"] = os.path.abspath(self.cache_dir)
-        doc["state_dir"] = os.path.abspath(self.state_dir)
-        store = doc["store"]
+    def absolute(self) -> MountConfig:
+        """This configuration with its paths made absolute (against this process's
+        directory), for a server that works elsewhere: a forked one works in /, and so does
+        libfuse's loop, even in the foreground."""
         docker_config = self.store.docker_config
-        store["docker_config"] = os.path.abspath(docker_config) if docker_config else None
+        return dataclasses.replace(
+            self,
+            cache_dir=Path(os.path.abspath(self.cache_dir)),
+            state_dir=Path(os.path.abspath(self.state_dir)),
+            store=dataclasses.replace(
+                self.store,
+                docker_config=Path(os.path.abspath(docker_config)) if docker_config else None,
+            ),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["cache_dir"] = str(self.cache_dir)
+        doc["state_dir"] = str(self.state_dir)
+        store = doc["store"]
+        store["docker_config"] = str(self.store.docker_config) if self.store.docker_config else None
         return doc
 
     @classmethod

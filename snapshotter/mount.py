@@ -134,10 +134,8 @@ def mount(
     only for a caller that has no threads and runs the code it imported (the
     ``snapshotter`` command; a process with threads gets a new interpreter)."""
     mountpoint = Path(os.path.abspath(mountpoint))
-    try:
-        ref = absolute_ref(ref)  # the server does not run in this directory
-    except ReferenceError_ as e:
-        raise MountError(f"cannot mount {ref} at {mountpoint}: ReferenceError_: {e}") from None
+    # The server does not work in this directory: relative paths are this one's.
+    ref, config = _absolute(ref, mountpoint), config.absolute()
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)
     if record is not None:
@@ -306,6 +304,14 @@ def _read_ready(fd: int, timeout: float) -> dict[str, Any] | None:
         return None
 
 
+def _absolute(ref: str, mountpoint: Path) -> str:
+    """``ref`` with a relative directory store made absolute (``absolute_ref``)."""
+    try:
+        return absolute_ref(ref)
+    except ReferenceError_ as e:
+        raise MountError(f"cannot mount {ref} at {mountpoint}: ReferenceError_: {e}") from None
+
+
 def _log_tail(path: Path, lines: int = 3) -> str:
     with contextlib.suppress(OSError):
         tail = path.read_text(errors="replace").strip().splitlines()[-lines:]
@@ -324,6 +330,8 @@ def run_foreground(
     from snapshotter import mountd
 
     mountpoint = Path(os.path.abspath(mountpoint))
+    # libfuse's loop changes to / even in the foreground: relative paths are this one's.
+    ref, config = _absolute(ref, mountpoint), config.absolute()
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)
     if record is not None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
+import sys
 import uuid
 from dataclasses import replace
 
@@ -16,6 +19,7 @@ from mounthelp import drop_caches, snapshotter, with_store_options
 from imagetool.image import open_image
 from snapshotter import kernel
 from snapshotter import mount as api
+from snapshotter.cache import cache_usage
 from snapshotter.promexport import exposition
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
@@ -96,6 +100,50 @@ def test_cli_paths_are_relative_to_where_it_runs(
     finally:
         for info in api.list_mounts(local):
             api.unmount(info.mountpoint, local, lazy=True)
+
+
+def test_foreground_mount_runs_as_its_systemd_unit_expects(
+    config, umoci_source, umoci_dir_ref, tmp_path
+) -> None:  # noqa: ANN001
+    """``mount --foreground`` (the ExecStart of ``lazyblock-mount@.service``, Type=notify):
+    READY=1 on $NOTIFY_SOCKET once the tree is browsable, served from that very process, which
+    SIGTERM unmounts and ends with status 0. Relative paths are the command's, though
+    libfuse's loop works in / even in the foreground."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    name = f"lazyblock-test-{uuid.uuid4().hex[:12]}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind("\0" + name)
+    notify.settimeout(60)
+    ref = os.path.relpath(umoci_dir_ref, tmp_path)
+    relative = ["--state-dir", os.path.relpath(config.state_dir, tmp_path),
+                "--cache-dir", os.path.relpath(config.cache_dir, tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snapshotter.cli", "mount", "--foreground", ref, "mnt",
+         "--no-prefetch", *relative],
+        cwd=tmp_path, env={**os.environ, "NOTIFY_SOCKET": "@" + name},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert notify.recv(64) == b"READY=1"
+        assert kernel.is_mountpoint(mnt)
+        assert snapshot(mnt) == snapshot(umoci_source[1])
+        (info,) = api.list_mounts(config)
+        assert info.pid == proc.pid and info.alive and info.ref == umoci_dir_ref
+        stats = api.stats(mnt, config)["fetch"]
+        assert stats["sectors_fetched"] > 0 and stats["fetch_errors"] == 0
+        assert cache_usage(config.cache_dir)[0] == stats["sectors_fetched"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert f"mounted {ref} at mnt" in out
+        assert not kernel.is_mountpoint(mnt)
+        assert api.list_mounts(config) == []
+    finally:
+        notify.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_mount_from_s3(config, umoci_source, s3_bucket, tmp_path) -> None:  # noqa: ANN001
