@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from imagetool.errors import ImageToolError
+from snapshotter import systemd
 from snapshotter.errors import SnapshotterError
 
 log = logging.getLogger("snapshotter")
@@ -128,7 +129,7 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
         def ready(doc: dict[str, Any]) -> None:
             if doc.get("ok"):
                 click.echo(f"mounted {ref} at {mountpoint} in {time.monotonic() - started:.3f}s")
-                _sd_notify("READY=1")
+                systemd.notify("READY=1")
             else:
                 click.echo(f"snapshotter: error: {doc['type']}: {doc['error']}", err=True)
 
@@ -140,20 +141,6 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
     )
     log.info("mounted in %.3fs", time.monotonic() - started)
     click.echo(f"{info.mountpoint} {info.index_digest} pid={info.pid} backing={info.backing}")
-
-
-def _sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) that we are ready, if it asked."""
-    import os
-    import socket
-
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.sendto(message.encode(), addr)
 
 
 @cli.command(name="umount")

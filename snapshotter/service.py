@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -38,6 +37,7 @@ from typing import Any
 import click
 import grpc
 
+from snapshotter import systemd
 from snapshotter.config import (
     DEFAULT_CONFIG_PATH,
     ConfigError,
@@ -282,20 +282,6 @@ def start_server(
     return server
 
 
-def sd_notify(state: str) -> None:
-    """Tell systemd (``Type=notify``) about ``state``; nothing outside systemd."""
-    target = os.environ.get("NOTIFY_SOCKET")
-    if not target:
-        return
-    if target.startswith("@"):
-        target = "\0" + target[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        try:
-            s.sendto(state.encode(), target)
-        except OSError as e:
-            log.warning("sd_notify(%s) failed: %s", state, e)
-
-
 def serve(config: ServiceConfig) -> None:
     """Run the daemon until SIGTERM/SIGINT. Stopping it leaves mounts alive (see module)."""
     from snapshotter.remote import RemoteLayers
@@ -320,7 +306,7 @@ def serve(config: ServiceConfig) -> None:
             "serving the CRI image service on %s (forwarded to %s)",
             config.image_service_address, config.containerd_address,
         )  # fmt: skip
-    sd_notify("READY=1")
+    systemd.notify("READY=1")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -330,7 +316,7 @@ def serve(config: ServiceConfig) -> None:
             name="lazyblock-remount", daemon=True,
         ).start()  # fmt: skip
     stop.wait()
-    sd_notify("STOPPING=1")
+    systemd.notify("STOPPING=1")
     log.info("stopping; lazily mounted images stay mounted for running containers")
     if image_service is not None:
         image_service[0].stop(grace=5).wait()
