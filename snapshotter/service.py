@@ -115,12 +115,13 @@ def load_service_config(path: Path | None, overrides: dict[str, Any]) -> Service
     if isinstance(insecure, str):
         insecure = (insecure,)
     return ServiceConfig(
-        address=Path(own.get("address", DEFAULT_ADDRESS)),
-        root=Path(own.get("root", DEFAULT_ROOT)),
+        # Absolute: containerd and the kubelet reach these from their own directories.
+        address=Path(os.path.abspath(own.get("address", DEFAULT_ADDRESS))),
+        root=Path(os.path.abspath(own.get("root", DEFAULT_ROOT))),
         insecure_registries=tuple(str(h) for h in insecure),
         workers=int(own.get("workers", DEFAULT_WORKERS)),
         remount_interval=float(own.get("remount_interval", DEFAULT_REMOUNT_INTERVAL)),
-        image_service_address=Path(own["image_service_address"])
+        image_service_address=Path(os.path.abspath(own["image_service_address"]))
         if own.get("image_service_address")
         else None,
         containerd_address=Path(own.get("containerd_address") or DEFAULT_CONTAINERD_ADDRESS),

@@ -169,7 +169,8 @@ class SnapshotStore:
     database transaction; remote mounts happen outside it (they take seconds)."""
 
     def __init__(self, root: Path, mounter: RemoteMounter | None = None) -> None:
-        self.root = Path(root)
+        # Absolute: containerd mounts the paths handed to it, from its own directory.
+        self.root = Path(os.path.abspath(root))
         self.mounter = mounter
         self.snapshots_dir = self.root / "snapshots"
         self.mounts_dir = self.root / "mounts"

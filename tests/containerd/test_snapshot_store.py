@@ -69,6 +69,21 @@ def test_prepare_without_parent_is_a_rw_bind(store: SnapshotStore) -> None:
     assert store.stat("a").kind == Kind.ACTIVE
 
 
+def test_a_relative_root_gives_containerd_absolute_paths(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    store = SnapshotStore(Path("root"), FakeMounter())
+    try:
+        _layer(store, "l1")
+        (m,) = store.prepare("c", "l1")
+        opts = dict(o.split("=", 1) for o in m.options if "=" in o)
+        paths = [p for key in ("lowerdir", "upperdir", "workdir") for p in opts[key].split(":")]
+        assert paths and all(p.startswith(f"{tmp_path}/root/") for p in paths)
+        monkeypatch.chdir("/")  # containerd's directory is not the daemon's
+        assert all(Path(p).is_dir() for p in paths)
+    finally:
+        store.close()
+
+
 def test_overlay_lowerdirs_nearest_first(store: SnapshotStore) -> None:
     _layer(store, "l1")
     _layer(store, "l2", "l1")

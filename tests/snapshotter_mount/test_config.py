@@ -79,3 +79,15 @@ def test_one_file_for_mounts_and_the_daemon() -> None:
     assert service.insecure_registries == () and service.mount == MountConfig()
     # the mount commands read the same file and leave [snapshotter] to the daemon
     assert load_config(EXAMPLE).mount == MountConfig()
+
+
+def test_daemon_paths_given_relative_are_absolute(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """containerd and the kubelet reach the daemon's sockets and its snapshots' paths from
+    their own directories."""
+    from snapshotter.service import load_service_config
+
+    monkeypatch.chdir(tmp_path)
+    flags = {"address": "s.sock", "root": "root", "image_service_address": "cri.sock"}
+    service = load_service_config(EXAMPLE, flags)
+    assert service.address == tmp_path / "s.sock" and service.root == tmp_path / "root"
+    assert service.image_service_address == tmp_path / "cri.sock"
