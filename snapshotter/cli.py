@@ -126,12 +126,13 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
     started = time.monotonic()
     if foreground:
 
-        def ready(doc: dict[str, Any]) -> None:
+        def ready(doc: dict[str, Any]) -> bool:
             if doc.get("ok"):
                 click.echo(f"mounted {ref} at {mountpoint} in {time.monotonic() - started:.3f}s")
                 systemd.notify("READY=1")
             else:
                 click.echo(f"snapshotter: error: {doc['type']}: {doc['error']}", err=True)
+            return True  # this process is the one that asked
 
         sys.exit(api.run_foreground(ref, mountpoint, config.mount, ready))
     # No fork server yet (the node's first mount): this process, which has imported much of

@@ -154,6 +154,7 @@ def mount(
         "sent_at": time.time(),  # the server reports how long it took to start ("launch")
     }
     read_end, write_end = os.pipe()
+    server: _Server | None = None
     try:
         with open(directory / state.LOG_FILE, "ab") as logf:
             server = _start_server(
@@ -162,6 +163,15 @@ def mount(
         os.close(write_end)
         write_end = -1
         answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)
+    except BaseException:
+        # Interrupted while waiting (Ctrl-C, a signal): nobody will use this mount, so it
+        # must not go on being made (the server may be stuck on the store).
+        if server is not None:
+            server.kill()
+            server.wait(SERVER_EXIT_TIMEOUT)
+            with contextlib.suppress(Exception):
+                unmount(mountpoint, config)
+        raise
     finally:
         os.close(read_end)
         if write_end >= 0:
@@ -323,7 +333,7 @@ def run_foreground(
     ref: str,
     mountpoint: Path,
     config: MountConfig,
-    on_ready: Callable[[dict[str, Any]], None],
+    on_ready: Callable[[dict[str, Any]], bool],
 ) -> int:
     """Serve a mount in this process (``snapshotter mount --foreground``, systemd units)
     until it is unmounted or signalled; ``on_ready`` gets the readiness document."""

@@ -406,11 +406,13 @@ def run(
     ref: str,
     mountpoint: Path,
     config: MountConfig,
-    ready: Callable[[dict[str, Any]], None],
+    ready: Callable[[dict[str, Any]], bool],
     launch: str = "exec",
     sent_at: float | None = None,
 ) -> int:
     """Run a mount server in this process until it is unmounted; returns an exit code.
+    ``ready`` hands the readiness document to whoever asked for the mount and says whether
+    it got there: a mount nobody waits for any more (they gave up, or died) is undone.
 
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
     raise_open_file_limit()
@@ -427,7 +429,11 @@ def run(
             ready({"ok": False, "type": type(e).__name__, "error": str(e)})
             return 3
         assert server.record is not None
-        ready({"ok": True, "record": server.record.__dict__, "seconds": server._mount_seconds})
+        if not ready(
+            {"ok": True, "record": server.record.__dict__, "seconds": server._mount_seconds}
+        ):
+            log.warning("nobody waits for the mount at %s any more; undoing it", mountpoint)
+            return 4
         server.serve()
         return 0
     finally:
@@ -462,10 +468,13 @@ def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") 
     config = MountConfig.from_dict(request["config"])
     ready_file = os.fdopen(ready_fd, "w")
 
-    def ready(doc: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError):
+    def ready(doc: dict[str, Any]) -> bool:
+        try:
             ready_file.write(json.dumps(doc) + "\n")
             ready_file.close()
+        except OSError:  # the requester closed its end: it gave up or died
+            return False
+        return True
 
     return run(
         request["ref"], Path(request["mountpoint"]), config, ready, launch, request.get("sent_at")

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from itool import imagetool
 from mounthelp import drop_caches, with_store_options
 from support import PausableProxy, Registry
 
+from snapshotter import kernel
 from snapshotter import mount as api
 from snapshotter.config import MountConfig
 
@@ -223,3 +225,56 @@ def test_a_store_that_garbles_cuts_and_delays_answers_is_never_served_wrong(
         drop_caches()
         for rel in files:
             assert _read_once_back(mnt / rel, DEADLINE + SLACK) == want[rel], rel
+
+
+@pytest.mark.parametrize("how", ["interrupted", "killed"])
+def test_a_mount_given_up_on_while_the_store_hangs_is_not_left_behind(
+    registry: Registry, umoci_source: tuple[Path, Path], config: MountConfig, tmp_path: Path, how
+) -> None:  # noqa: ANN001
+    """``snapshotter mount`` waiting on a store that hangs, then given up on: Ctrl-C ends its
+    server at once; a requester killed outright (no chance to clean up) leaves a server
+    that undoes the mount as soon as it finds nobody waiting for it, once the store is back.
+    Neither leaves a mount, a server or a record."""
+    repo = f"lazyblock/gone-{uuid.uuid4().hex[:8]}"
+    imagetool("--plain-http", "convert", "-q", "--sector-size", "64KiB",
+              f"oci:{umoci_source[0]}:v1", f"docker://{registry.host}/{repo}:v1")  # fmt: skip
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    args = ["--state-dir", str(config.state_dir), "--cache-dir", str(config.cache_dir),
+            "--set", "store.plain_http=true", "--set", "store.timeout=60"]  # fmt: skip
+    with PausableProxy(registry.port) as proxy:
+        proxy.set_mode("blackhole")
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "snapshotter.cli", "mount", f"docker://{proxy.host}/{repo}:v1",
+             str(mnt), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        give_up = time.monotonic() + 30
+        while not (servers := [m.pid for m in api.list_mounts(config) if m.alive]):
+            assert time.monotonic() < give_up and cli.poll() is None, cli.stderr
+            time.sleep(0.1)
+        (server,) = servers
+        assert server != cli.pid  # a server of its own, detached
+        if how == "interrupted":
+            cli.send_signal(signal.SIGINT)
+            assert cli.wait(30) != 0
+            assert "interrupted" in cli.stderr.read()
+        else:
+            cli.kill()
+            cli.wait(30)
+            time.sleep(1)
+            assert api.list_mounts(config)  # still trying, stuck on the store
+            proxy.set_mode("pass")  # the store is back: the mount completes, unwanted
+        give_up = time.monotonic() + 15  # well before the server's own store timeout
+        while api.list_mounts(config) or _alive(server):
+            assert time.monotonic() < give_up, "the mount was left behind"
+            time.sleep(0.1)
+        assert not kernel.is_mountpoint(mnt)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
