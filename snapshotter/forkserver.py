@@ -248,7 +248,7 @@ def start(key: str | None = None) -> threading.Event:
 
 def preload() -> None:
     """Import what a mount server needs and build what is slow to build, before forking."""
-    from imagetool import registry
+    from imagetool.registry.client import RegistryClient
     from imagetool.stores import dir as _dir  # noqa: F401
     from imagetool.stores import registry as _registry  # noqa: F401
     from imagetool.stores.base import StoreOptions
@@ -256,7 +256,7 @@ def preload() -> None:
 
     # A client imports its HTTP stack when it is built, and host names go through IDNA on
     # the first request: have both done (no connection is made).
-    registry.RegistryClient("localhost", "preload", StoreOptions()).close()
+    RegistryClient("localhost", "preload", StoreOptions()).close()
     "localhost".encode("idna")
 
 

@@ -374,7 +374,7 @@ def _credential_sources(configured: Path | None) -> list[Path]:
 
 
 def _registry_fetcher(mounter: MountBackend) -> ManifestFetcher:
-    from imagetool.registry import RegistryClient
+    from imagetool.registry.client import RegistryClient
     from imagetool.stores.registry import MANIFEST_ACCEPT
 
     def fetch(host: str, repository: str, digest: str) -> dict[str, Any]:

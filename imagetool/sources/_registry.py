@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 from typing import BinaryIO
 
 from imagetool.errors import InvalidSourceError, NotFoundError, ReferenceError_
-from imagetool.registry import RegistryClient
+from imagetool.registry.client import RegistryClient
 from imagetool.sources import _media
 from imagetool.sources._image import (
     MAX_DOCUMENT_SIZE,

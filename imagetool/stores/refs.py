@@ -10,6 +10,13 @@ it is the store. For ``docker://`` the whole repository path is the name. ``@sha
 an index digest directly (for ``docker://``, a manifest digest). The tag defaults to
 ``latest`` unless a digest is given. This module only parses; ``imagetool.stores.open_store``
 turns a reference into a ``Store``.
+
+It also owns the names registries go by elsewhere: ``split_image_ref`` reads an image name
+the way containerd and the kubelet write it (``ubuntu:22.04``, ``host:5000/team/app@...``,
+Docker Hub's defaults applied), and ``registry_host`` is the one normaliser of a registry's
+host, whether it comes from such a name, a docker ``config.json`` key
+(``https://index.docker.io/v1/``) or a CRI ``AuthConfig.server_address``: credentials are
+looked up and matched by what it returns.
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ _HOST = re.compile(
     r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?"
 )
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+# Docker Hub's names: what an image name without a host means, and the host it is served from.
+DOCKER_HUB = "docker.io"
+DOCKER_HUB_REGISTRY = "registry-1.docker.io"
+_DOCKER_HUB_HOSTS = frozenset({DOCKER_HUB, DOCKER_HUB_REGISTRY, "index.docker.io"})
 
 SCHEME_DIR = "dir"
 SCHEME_S3 = "s3"
@@ -114,6 +126,36 @@ def absolute_ref(text: str) -> str:
     if ref.scheme != SCHEME_DIR or os.path.isabs(ref.store_url):
         return text
     return str(replace(ref, store_url=os.path.abspath(ref.store_url)))
+
+
+def registry_host(text: str) -> str:
+    """The registry ``host[:port]`` that ``text`` names: a bare host, or a URL such as a
+    docker ``config.json`` key (``https://host:5000/v1/``). Docker Hub's several names
+    come out as one, ``registry-1.docker.io``."""
+    if "://" in text:
+        text = text.split("://", 1)[1]
+    host = text.split("/", 1)[0]
+    return DOCKER_HUB_REGISTRY if host in _DOCKER_HUB_HOSTS else host
+
+
+def split_image_ref(ref: str) -> tuple[str, str]:
+    """An image name as containerd and the kubelet write it (``host[:port]/repo[:tag]
+    [@digest]``, normalised or not) -> (registry host, repository), with Docker Hub's
+    defaults: no host means ``registry-1.docker.io``, and a one-component repository there
+    is under ``library/``."""
+    name = ref.split("@", 1)[0]
+    first, sep, rest = name.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        host, path = first, rest
+    else:
+        host, path = DOCKER_HUB, name
+    last = path.rsplit("/", 1)
+    if ":" in last[-1]:
+        path = path[: len(path) - len(last[-1])] + last[-1].split(":", 1)[0]
+    host = registry_host(host)
+    if host == DOCKER_HUB_REGISTRY and "/" not in path:
+        path = "library/" + path
+    return host, path
 
 
 def _split_tag_digest(last: str, text: str) -> tuple[str, str | None, str | None]:

@@ -42,7 +42,7 @@ from imagetool.format import (
     index_media_type,
     sha256_digest,
 )
-from imagetool.registry import RegistryClient
+from imagetool.registry.client import RegistryClient
 from imagetool.stores._common import check_publishable, check_range
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import ImageRef, check_tag

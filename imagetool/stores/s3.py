@@ -10,7 +10,7 @@ completed, so a failed upload leaves no blob behind. Timeouts and retries come f
 ``StoreOptions``; botocore errors are mapped to ``imagetool.errors`` here.
 
 Ranged reads of blobs, the snapshotter's data path, are GETs of a presigned URL (signed
-here, no request) through ``imagetool.rangehttp``, received straight into the caller's
+here, no request) through ``imagetool.registry.ranged``, received straight into the caller's
 buffers, when S3 answers with the range; otherwise, and for everything else, boto3. Should
 a presigned read be refused where boto3's own then succeeds (a bucket policy, a signature
 version), or answered otherwise than with the range, presigned reads are given up for
@@ -39,7 +39,7 @@ from botocore.config import Config
 
 from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
 from imagetool.format import check_digest, index_media_type, sha256_digest
-from imagetool.rangehttp import DirectBody, RangeClient, RangeResponse
+from imagetool.registry.ranged import DirectBody, RangeClient, RangeResponse
 from imagetool.stores._common import check_publishable, check_range, verify_source
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import check_name_component, check_tag

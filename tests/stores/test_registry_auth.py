@@ -18,8 +18,9 @@ from support import TokenServer, token_auth_registry
 
 from imagetool.errors import AuthError
 from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.rangehttp import DirectBody
-from imagetool.registry import RegistryClient, load_docker_credentials
+from imagetool.registry.auth import load_docker_credentials
+from imagetool.registry.client import RegistryClient
+from imagetool.registry.ranged import DirectBody
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import OCI_MANIFEST, RegistryStore
 
@@ -151,7 +152,7 @@ def test_bearer_flow_with_credentials(auth_server, tmp_path: Path) -> None:
         assert client.get_manifest("v1", [OCI_MANIFEST])[0] == MANIFEST
         assert len(auth_server.token_requests) == 3
         # An expired token is renewed before it is sent.
-        for token in client._tokens.values():
+        for token in client.auth._tokens.values():
             token.expires = 0.0
         assert client.get_manifest("v1", [OCI_MANIFEST])[0] == MANIFEST
         assert len(auth_server.token_requests) == 4

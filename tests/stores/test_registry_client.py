@@ -28,7 +28,8 @@ from imagetool.format import (
     INDEX_MEDIA_TYPE,
     sha256_digest,
 )
-from imagetool.registry import RegistryClient, parse_challenge
+from imagetool.registry.auth import parse_challenge
+from imagetool.registry.client import RegistryClient
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.registry import OCI_CONFIG, OCI_MANIFEST, RegistryStore
 

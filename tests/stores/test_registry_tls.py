@@ -1,5 +1,5 @@
 """A real registry over TLS, with a certificate from a throwaway CA: ranged reads (through
-``http.client``, ``imagetool.rangehttp``) and everything else (httpx) verify it alike, and
+``http.client``, ``imagetool.registry.ranged``) and everything else (httpx) verify it alike, and
 refuse a server that the trusted CAs did not sign."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from support import Registry, require_tool
 
 from imagetool.errors import StoreError
 from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.rangehttp import DirectBody
+from imagetool.registry.ranged import DirectBody
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import RegistryStore
 

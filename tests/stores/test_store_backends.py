@@ -96,7 +96,7 @@ def test_s3_multipart_upload(s3_bucket: str, tmp_path: Path) -> None:
 
 
 def test_s3_ranged_reads_are_presigned_gets(s3_bucket: str, image, monkeypatch) -> None:
-    from imagetool.rangehttp import DirectBody
+    from imagetool.registry.ranged import DirectBody
 
     blob = image.blob
     with S3Store(s3_bucket, "", "app") as store:

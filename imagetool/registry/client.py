@@ -1,18 +1,11 @@
 """A small OCI distribution-spec client (httpx): manifests, blobs, ranged reads, uploads, tags.
 
-Used by the registry store (``imagetool.stores.registry``) and the registry image source.
-One ``RegistryClient`` talks to one repository on one registry. Ranged blob reads, the
-snapshotter's data path, go through ``imagetool.rangehttp`` (``http.client``, received
-straight into the caller's buffers) when the registry answers with the range; anything else
-is asked again through httpx, which owns auth challenges, retries and error mapping.
-
-Auth: requests go out anonymously until the registry answers 401 with a
-``WWW-Authenticate`` challenge. ``Basic`` is answered with the credentials from docker's
-``config.json``; ``Bearer`` sends us to the token service named in the challenge, asking for
-``repository:REPO:pull`` (``pull,push`` for writes) with those credentials if there are any.
-Tokens are cached per scope, sent up front on later requests, renewed before they expire, and
-fetched again once if the registry still answers 401. Credentials and tokens are never logged
-and never sent to a host over plain HTTP unless ``plain_http`` was asked for.
+Used by the registry store (``imagetool.stores.registry``), the registry image source and
+the snapshotter. One ``RegistryClient`` talks to one repository on one registry. Ranged blob
+reads, the snapshotter's data path, go through ``imagetool.registry.ranged`` (``http.client``,
+received straight into the caller's buffers) when the registry answers with the range;
+anything else is asked again through httpx, which owns auth challenges, retries and error
+mapping. Authentication (credentials, challenges, tokens) is ``imagetool.registry.auth``'s.
 
 Timeouts: ``options.timeout`` bounds connecting and every read, so a registry that accepts the
 connection and never answers fails with ``StoreTimeoutError`` after that long; timeouts are
@@ -24,7 +17,6 @@ repository.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import hashlib
@@ -35,14 +27,12 @@ import os
 import random
 import re
 import ssl
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NoReturn, cast
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 import httpx
 
@@ -55,7 +45,8 @@ from imagetool.errors import (
     StoreTimeoutError,
 )
 from imagetool.format import check_digest
-from imagetool.rangehttp import DirectBody, RangeClient, RangeResponse
+from imagetool.registry.auth import RETRY_STATUS, Auth, one_line
+from imagetool.registry.ranged import DirectBody, RangeClient, RangeResponse
 from imagetool.stores.base import BytesBody, RangeBody, StoreOptions
 
 log = logging.getLogger(__name__)
@@ -67,68 +58,7 @@ UPLOAD_CHUNK = 32 << 20
 # Backoff between retries: full jitter over BASE * 2**attempt, capped.
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0
-# Renew a token this many seconds before the token service says it expires.
-TOKEN_MARGIN = 10.0
-# The distribution spec's default token lifetime when the service does not give one.
-DEFAULT_TOKEN_LIFETIME = 60.0
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 USER_AGENT = "lazyblock-imagetool"
-_DOCKER_HUB_HOSTS = frozenset({"docker.io", "registry-1.docker.io", "index.docker.io"})
-_DOCKER_HUB_AUTH_KEY = "https://index.docker.io/v1/"
-_CHALLENGE_PARAM = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^,\s]+))')
-
-
-def default_docker_config(options: StoreOptions) -> Path:
-    """Where docker credentials are read from: ``options.docker_config`` (a file or a
-    directory), else ``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``."""
-    if options.docker_config is not None:
-        path = Path(options.docker_config)
-        return path / "config.json" if path.is_dir() else path
-    env = os.environ.get("DOCKER_CONFIG")
-    if env:
-        return Path(env) / "config.json"
-    return Path.home() / ".docker" / "config.json"
-
-
-def load_docker_credentials(path: Path, host: str) -> tuple[str, str] | None:
-    """(username, password) for ``host`` from a docker ``config.json``'s ``auths``, or None.
-
-    Credential helpers (``credsStore``/``credHelpers``) are not consulted."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AuthError(f"cannot read docker config {path}: {type(e).__name__}") from None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
-    if not isinstance(auths, dict):
-        return None
-    wanted = {host}
-    if host in _DOCKER_HUB_HOSTS:
-        wanted |= _DOCKER_HUB_HOSTS
-    for key, entry in auths.items():
-        if not isinstance(entry, dict) or _auth_key_host(key) not in wanted:
-            continue
-        if entry.get("auth"):
-            try:
-                user, sep, password = base64.b64decode(entry["auth"]).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                raise AuthError(f"docker config {path}: malformed 'auth' for {key}") from None
-            if not sep:
-                raise AuthError(f"docker config {path}: malformed 'auth' for {key}")
-            return user, password
-        if entry.get("username") and entry.get("password") is not None:
-            return str(entry["username"]), str(entry["password"])
-    if isinstance(doc, dict) and (doc.get("credsStore") or doc.get("credHelpers")):
-        log.debug("docker config %s names credential helpers, which are not supported", path)
-    return None
-
-
-def _auth_key_host(key: str) -> str:
-    """``https://host:5000/v1/`` or ``host:5000`` -> ``host:5000``."""
-    if "://" in key:
-        key = key.split("://", 1)[1]
-    return key.split("/", 1)[0]
 
 
 def default_ssl_context() -> ssl.SSLContext:
@@ -143,28 +73,6 @@ def default_ssl_context() -> ssl.SSLContext:
 def _ssl_context(cert_file: str, cert_dir: str) -> ssl.SSLContext:
     del cert_file, cert_dir  # the cache key: create_ssl_context reads them from the environment
     return httpx.create_ssl_context(verify=True, trust_env=True)
-
-
-@dataclass
-class _Token:
-    value: str
-    expires: float  # time.monotonic() after which it must be renewed
-
-
-@dataclass
-class _Challenge:
-    scheme: str  # "basic" or "bearer"
-    params: dict[str, str]
-
-
-def parse_challenge(header: str) -> _Challenge | None:
-    """Parse a ``WWW-Authenticate`` header (the first challenge in it)."""
-    scheme, _, rest = header.strip().partition(" ")
-    if not scheme:
-        return None
-    params = {m[1].lower(): (m[2] if m[2] else m[3] or "") for m in _CHALLENGE_PARAM.finditer(rest)}
-    params = {k: re.sub(r"\\(.)", r"\1", v) for k, v in params.items()}
-    return _Challenge(scheme.lower(), params)
 
 
 class RegistryClient:
@@ -191,12 +99,7 @@ class RegistryClient:
         self._ranges = RangeClient(
             ssl_context=default_ssl_context, timeout=options.timeout, user_agent=USER_AGENT
         )
-        self._credentials: tuple[str, str] | None = None
-        self._credentials_loaded = False
-        self._scheme: str | None = None  # auth scheme the registry asked for
-        self._bearer: dict[str, str] = {}  # realm/service of the bearer challenge
-        self._tokens: dict[str, _Token] = {}  # scope -> token
-        self._token_lock = threading.Lock()  # one token fetch at a time per client
+        self.auth = Auth(host, repository, options, self._http, self._backoff, self.base)
 
     # --- public API -----------------------------------------------------------------------
 
@@ -296,7 +199,7 @@ class RegistryClient:
         check_digest(digest)
         if offset < 0:
             return None  # _ranged_get says why
-        auth = self._auth_header(push=False)
+        auth = self.auth.header(push=False)
         resp, _ = self._ranges.get_range(
             f"{self.base}/blobs/{digest}", offset, length,
             {"Authorization": auth} if auth else {}, f"{self.where}: blob {digest}",
@@ -505,7 +408,7 @@ class RegistryClient:
         challenged = False
         while True:
             hdrs = dict(headers or {})
-            auth = self._auth_header(push)
+            auth = self.auth.header(push)
             if auth:
                 hdrs["Authorization"] = auth
             try:
@@ -517,22 +420,22 @@ class RegistryClient:
                 ) from None
             except httpx.TransportError as e:
                 if idempotent and attempt < self.options.retries:
-                    attempt = self._backoff(attempt, what, _one_line(e))
+                    attempt = self._backoff(attempt, what, one_line(e))
                     continue
                 raise StoreError(
-                    f"{self.where}: {what}: {type(e).__name__}: {_one_line(e)}"
+                    f"{self.where}: {what}: {type(e).__name__}: {one_line(e)}"
                 ) from None
             status = resp.status_code
             if status == 401 and not challenged:
                 header = resp.headers.get("WWW-Authenticate", "")
                 resp.close()
-                self._answer_challenge(header, push, had_auth=bool(auth))
+                self.auth.answer(header, push, had_auth=bool(auth))
                 challenged = True
                 continue
             if status == 401 and auth:
                 resp.close()
-                self._refused(what, push)
-            if status in _RETRY_STATUS and idempotent and attempt < self.options.retries:
+                self.auth.refused(what, push)
+            if status in RETRY_STATUS and idempotent and attempt < self.options.retries:
                 resp.close()
                 attempt = self._backoff(attempt, what, f"HTTP {status}")
                 continue
@@ -560,137 +463,6 @@ class RegistryClient:
         if status in (401, 403):
             raise AuthError(message)
         raise StoreError(message)
-
-    def _scope(self, push: bool) -> str:
-        return f"repository:{self.repository}:{'pull,push' if push else 'pull'}"
-
-    def _creds(self) -> tuple[str, str] | None:
-        if not self._credentials_loaded and self.options.credentials is not None:
-            user, secret = self.options.credentials
-            self._credentials = (str(user), str(secret))
-            self._credentials_loaded = True
-        if not self._credentials_loaded:
-            path = default_docker_config(self.options)
-            self._credentials = load_docker_credentials(path, self.host)
-            self._credentials_loaded = True
-            log.debug(
-                "%s: %s credentials in %s", self.host,
-                "found" if self._credentials else "no", path,
-            )  # fmt: skip
-        return self._credentials
-
-    def _creds_source(self) -> str:
-        if self.options.credentials is not None:
-            return "the credentials given at run time"
-        return str(default_docker_config(self.options))
-
-    def _auth_header(self, push: bool) -> str | None:
-        if self._scheme == "basic":
-            creds = self._creds()
-            return _basic(creds) if creds else None
-        if self._scheme == "bearer":
-            scope = self._scope(push)
-            with self._token_lock:
-                token = self._tokens.get(scope)
-                if token is None or time.monotonic() >= token.expires:
-                    token = self._fetch_token(scope)
-            return f"Bearer {token.value}"
-        return None
-
-    def _answer_challenge(self, header: str, push: bool, had_auth: bool) -> None:
-        challenge = parse_challenge(header) if header else None
-        if challenge is None or challenge.scheme not in ("basic", "bearer"):
-            raise AuthError(
-                f"{self.where}: registry answered 401 without a usable challenge "
-                f"({header.split(' ', 1)[0] if header else 'none'})"
-            )
-        if challenge.scheme == "basic":
-            if self._creds() is None:
-                raise AuthError(
-                    f"{self.where}: registry requires credentials; none for {self.host} in "
-                    f"{default_docker_config(self.options)}"
-                )
-            if had_auth and self._scheme == "basic":
-                raise AuthError(f"{self.where}: registry refused our credentials")
-            self._require_secure(self.base)
-            self._scheme = "basic"
-            return
-        realm = challenge.params.get("realm")
-        if not realm:
-            raise AuthError(f"{self.where}: bearer challenge without a realm")
-        self._scheme = "bearer"
-        self._bearer = {"realm": realm, "service": challenge.params.get("service", "")}
-        # A 401 despite a token: it expired or lacks the scope; fetch a fresh one once.
-        with self._token_lock:
-            self._tokens.pop(self._scope(push), None)
-
-    def _refused(self, what: str, push: bool) -> NoReturn:
-        """The registry answered 401 to a request that carried our credentials or a fresh
-        token: a one-line ``AuthError`` naming what was refused (never the secret)."""
-        if self._scheme == "basic":
-            raise AuthError(
-                f"{self.where}: {what}: the registry refused our credentials for {self.host} "
-                f"(from {self._creds_source()})"
-            )
-        raise AuthError(
-            f"{self.where}: {what}: the registry refused our token for {self._scope(push)}"
-        )
-
-    def _require_secure(self, url: str) -> None:
-        if urlsplit(url).scheme != "https" and not self.options.plain_http:
-            raise AuthError(f"{self.where}: refusing to send credentials over plain HTTP to {url}")
-
-    def _fetch_token(self, scope: str) -> _Token:
-        realm = self._bearer["realm"]
-        realm_host = urlsplit(realm).netloc or realm
-        params = {"scope": scope}
-        if self._bearer.get("service"):
-            params["service"] = self._bearer["service"]
-        headers: dict[str, str] = {}
-        creds = self._creds()
-        if creds:
-            self._require_secure(realm)
-            headers["Authorization"] = _basic(creds)
-            params["account"] = creds[0]
-        what = f"token for {scope} from {realm_host}"
-        attempt = 0
-        while True:
-            try:
-                resp = self._http.get(realm, params=params, headers=headers, follow_redirects=True)
-            except httpx.TimeoutException:
-                raise StoreTimeoutError(
-                    f"{self.where}: {what}: no answer within {self.options.timeout:g}s"
-                ) from None
-            except httpx.TransportError as e:
-                if attempt < self.options.retries:
-                    attempt = self._backoff(attempt, what, _one_line(e))
-                    continue
-                raise StoreError(
-                    f"{self.where}: {what}: {type(e).__name__}: {_one_line(e)}"
-                ) from None
-            if resp.status_code in _RETRY_STATUS and attempt < self.options.retries:
-                attempt = self._backoff(attempt, what, f"HTTP {resp.status_code}")
-                continue
-            break
-        if resp.status_code in (401, 403):
-            raise AuthError(
-                f"{self.where}: token service {realm_host} refused "
-                f"{'our credentials' if creds else 'anonymous access'} for {scope}"
-            )
-        if resp.status_code != 200:
-            raise StoreError(f"{self.where}: {what}: HTTP {resp.status_code}")
-        try:
-            doc = resp.json()
-            value = doc.get("token") or doc.get("access_token")
-            lifetime = float(doc.get("expires_in") or DEFAULT_TOKEN_LIFETIME)
-        except (ValueError, AttributeError, TypeError):
-            raise StoreError(f"{self.where}: {what}: malformed token response") from None
-        if not value or not isinstance(value, str):
-            raise StoreError(f"{self.where}: {what}: token response has no token")
-        token = _Token(value, time.monotonic() + lifetime - min(TOKEN_MARGIN, lifetime / 2))
-        self._tokens[scope] = token
-        log.debug("%s: got a token for %s (valid %.0fs)", self.where, scope, lifetime)
-        return token
 
 
 class _BlobReader:
@@ -722,7 +494,7 @@ class _BlobReader:
                     f"{self._where}: blob {self._digest}: read timed out"
                 ) from None
             except httpx.HTTPError as e:
-                raise StoreError(f"{self._where}: blob {self._digest}: {_one_line(e)}") from None
+                raise StoreError(f"{self._where}: blob {self._digest}: {one_line(e)}") from None
             self._hash.update(chunk)
             self._seen += len(chunk)
             self._buf += chunk
@@ -767,7 +539,7 @@ def _read_at_most(resp: httpx.Response, limit: int, where: str, what: str) -> by
     except httpx.TimeoutException:
         raise StoreTimeoutError(f"{where}: {what}: read timed out") from None
     except httpx.HTTPError as e:
-        raise StoreError(f"{where}: {what}: {_one_line(e)}") from None
+        raise StoreError(f"{where}: {what}: {one_line(e)}") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
@@ -787,7 +559,7 @@ class _ResponseBody(RangeBody):
             except httpx.TimeoutException:
                 raise StoreTimeoutError(f"{self.where}: read timed out") from None
             except httpx.HTTPError as e:
-                raise StoreError(f"{self.where}: {_one_line(e)}") from None
+                raise StoreError(f"{self.where}: {one_line(e)}") from None
         n = min(len(out), len(self._pending))
         out[:n] = self._pending[:n]
         self._pending = self._pending[n:]
@@ -807,10 +579,6 @@ class _ResponseBody(RangeBody):
         self._resp.close()
 
 
-def _basic(creds: tuple[str, str]) -> str:
-    return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
-
-
 def _registry_error(resp: httpx.Response) -> str:
     """``CODE: message`` from a distribution-spec error body, if there is one."""
     try:
@@ -819,8 +587,4 @@ def _registry_error(resp: httpx.Response) -> str:
         text = f"{first.get('code', '')}: {first.get('message', '')}".strip(": ")
     except (ValueError, AttributeError, IndexError, TypeError, httpx.ResponseNotRead):
         return ""
-    return _one_line(text)[:200]
-
-
-def _one_line(e: object) -> str:
-    return " ".join(str(e).split())
+    return one_line(text)[:200]

@@ -1,4 +1,4 @@
-"""RangeClient (``imagetool.rangehttp``): ranged GETs read into the caller's buffers, against
+"""RangeClient (``imagetool.registry.ranged``): ranged GETs read into the caller's buffers, against
 loopback HTTP servers: redirects and where credentials go, kept connections (and ones the
 server closed while idle), proxies left to httpx, timeouts."""
 
@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from imagetool.rangehttp import RangeClient
-from imagetool.registry import default_ssl_context
+from imagetool.registry.client import default_ssl_context
+from imagetool.registry.ranged import RangeClient
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB
 
@@ -117,7 +117,7 @@ def test_connections_idle_too_long_are_not_reused(ranges, monkeypatch) -> None:
     server = ranges()
     with _client() as client:
         assert _read(client, f"http://{server.host}/blob", 0, 5) == BLOB[:5]
-        monkeypatch.setattr("imagetool.rangehttp.KEEPALIVE_EXPIRY", 0.0)
+        monkeypatch.setattr("imagetool.registry.ranged.KEEPALIVE_EXPIRY", 0.0)
         assert _read(client, f"http://{server.host}/blob", 5, 5) == BLOB[5:10]
         assert client.connections_opened == 2
 

@@ -1,0 +1,12 @@
+"""Talking to OCI registries (the distribution spec) and to HTTP object stores.
+
+* ``client``: ``RegistryClient``, one repository on one registry: manifests, blobs, ranged
+  reads, uploads, tags; retries and error mapping (httpx).
+* ``auth``: credentials (docker ``config.json``, or given at run time), ``WWW-Authenticate``
+  challenges and bearer tokens.
+* ``ranged``: ranged GETs received straight into the caller's buffers (``http.client``):
+  the data path of the registry client and of the S3 store.
+
+Imports ``imagetool.errors``, ``imagetool.format`` and ``imagetool.stores`` (its options,
+bodies and reference names), nothing above them.
+"""
