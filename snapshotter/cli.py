@@ -67,10 +67,12 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 overrides[key] = value
         for flag, key in (("prefetch", "prefetch.enabled"),
                           ("background_fetch", "prefetch.background_fetch"),
-                          ("backing", "mount.backing")):  # fmt: skip
+                          ("backing", "mount.backing"), ("address", "snapshotter.address"),
+                          ("root", "snapshotter.root"),
+                          ("insecure", "snapshotter.insecure_registries")):  # fmt: skip
             if flag in kwargs:
                 value = kwargs.pop(flag)
-                if value is not None:
+                if value not in (None, ()):
                     overrides[key] = value
         kwargs["config"] = load_config(kwargs.pop("config_path"), overrides)
         return func(*args, **kwargs)
@@ -78,22 +80,7 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _Group(click.Group):
-    """Loads ``serve`` (gRPC and its stubs) only when it is the command being run, so the
-    other commands, ``mount`` above all, start fast."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), "serve"])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name == "serve":
-            from snapshotter.service import serve_command
-
-            return serve_command
-        return super().get_command(ctx, name)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 @click.version_option(package_name="lazyblock")
 @click.pass_context
@@ -121,7 +108,7 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
 
     REF is any store reference imagetool accepts (/dir/NAME:TAG, s3://..., docker://...).
     """
-    from snapshotter import mount as api
+    from snapshotter.mount import api
 
     started = time.monotonic()
     if foreground:
@@ -150,7 +137,7 @@ def mount_cmd(ctx: click.Context, ref: str, mountpoint: Path, foreground: bool, 
 @_config_options
 def umount_cmd(mountpoint: Path, lazy: bool, config) -> None:  # noqa: ANN001
     """Unmount MOUNTPOINT and stop its server (also cleans up after a dead one)."""
-    from snapshotter import mount as api
+    from snapshotter.mount import api
 
     api.unmount(mountpoint, config.mount, lazy=lazy)
 
@@ -161,8 +148,8 @@ def umount_cmd(mountpoint: Path, lazy: bool, config) -> None:  # noqa: ANN001
 @_config_options
 def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN001
     """Mounts, cache use and per-mount statistics."""
-    from snapshotter import mount as api
-    from snapshotter.cache import cache_usage
+    from snapshotter.cache.sectors import cache_usage
+    from snapshotter.mount import api
 
     mounts = []
     for info in api.list_mounts(config.mount):
@@ -232,7 +219,7 @@ def _human(n: int) -> str:
 @_config_options
 def profile(mountpoint: Path, output: Path, config) -> None:  # noqa: ANN001
     """Write the files read through MOUNTPOINT so far, in first-access order."""
-    from snapshotter import mount as api
+    from snapshotter.mount import api
 
     files = api.profile(mountpoint, config.mount)
     text = "".join(f"{p}\n" for p in files if "\n" not in p)
@@ -249,7 +236,7 @@ def cache() -> None:
 @_config_options
 def cache_ls(config) -> None:  # noqa: ANN001
     """List cache entries (checksum, bytes, last use), least recently used first."""
-    from snapshotter.cache import cache_entries
+    from snapshotter.cache.sectors import cache_entries
 
     for checksum, size, used in cache_entries(config.mount.cache_dir):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(used))
@@ -260,7 +247,7 @@ def cache_ls(config) -> None:  # noqa: ANN001
 @_config_options
 def cache_gc(config) -> None:  # noqa: ANN001
     """Evict least recently used entries down to the cache's size cap; drop leftovers."""
-    from snapshotter.cache import SectorCache
+    from snapshotter.cache.sectors import SectorCache
 
     c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
     freed = c.gc()
@@ -271,7 +258,7 @@ def cache_gc(config) -> None:  # noqa: ANN001
 @_config_options
 def cache_clear(config) -> None:  # noqa: ANN001
     """Remove every cache entry (running mounts refetch what they need)."""
-    from snapshotter.cache import SectorCache
+    from snapshotter.cache.sectors import SectorCache
 
     c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
     c.clear()
@@ -283,9 +270,32 @@ def cache_clear(config) -> None:  # noqa: ANN001
 @_config_options
 def metrics(listen: str | None, config) -> None:  # noqa: ANN001
     """Serve Prometheus metrics of every mount on this node (runs until stopped)."""
-    from snapshotter.promexport import serve_forever
+    from snapshotter.prometheus import serve_forever
 
     serve_forever(listen or config.metrics_listen, config.mount)
+
+
+@cli.command()
+@click.option("--address", type=click.Path(path_type=Path),
+              help="Unix socket to serve on (snapshotter.address).")  # fmt: skip
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path),
+              help="Snapshot metadata and layers (snapshotter.root).")  # fmt: skip
+@click.option("--insecure-registry", "insecure", multiple=True, metavar="HOST:PORT",
+              help="A registry reached over plain HTTP (repeatable; loopback only).")  # fmt: skip
+@click.option("-v", "--verbose", count=True, help="Debug logging (the daemon logs INFO).")
+@_config_options
+def serve(verbose: int, config) -> None:  # noqa: ANN001
+    """Serve containerd's snapshots API (a [proxy_plugins] snapshotter)."""
+    logging.basicConfig(
+        level=[logging.INFO, logging.DEBUG][min(verbose, 1)],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    # Imported here: gRPC and its stubs cost the other commands (``mount`` above all) a
+    # tenth of a second at start.
+    from snapshotter.containerd import daemon
+
+    daemon.serve(config)
 
 
 def main() -> None:

@@ -14,12 +14,20 @@ Every key is documented in ``deploy/config.toml.example``.
                 backoff_max, deadline, max_request_bytes, max_stuck_requests,
                 timeout_memory
     [store]     plain_http, timeout, retries, docker_config
-    [metrics]   listen
+    [metrics]   listen                                      -> Config.metrics_listen
+    [snapshotter] address, root, insecure_registries, workers, remount_interval,
+                image_service_address, containerd_address   -> ServiceConfig (``serve``)
+
+Every command, ``snapshotter serve`` included, reads the whole file the same way, so one
+file serves the whole node and a key is checked wherever it is set. The settings of the
+data path (``FetchConfig``, ``PrefetchConfig``) are defined here too, with the rest: this
+module imports nothing of the snapshotter but its errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import tomllib
@@ -29,8 +37,6 @@ from typing import Any
 
 from imagetool.stores.base import StoreOptions
 from snapshotter.errors import SnapshotterError
-from snapshotter.fetcher import FetchConfig
-from snapshotter.prefetch import PrefetchConfig, PrefetchMode
 
 DEFAULT_CONFIG_PATH = Path("/etc/lazyblock/config.toml")
 DEFAULT_CACHE_DIR = Path("/var/lib/lazyblock/cache")
@@ -39,10 +45,122 @@ DEFAULT_STATE_DIR = Path("/run/lazyblock")
 DEFAULT_CACHE_SIZE = 20 << 30
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9876"
 BACKINGS = ("auto", "file", "loop")
+# The containerd-facing daemon's defaults ([snapshotter]).
+DEFAULT_ADDRESS = Path("/run/lazyblock/snapshotter.sock")
+# Persistent (not /run): the snapshots of unpacked ordinary layers live here.
+DEFAULT_ROOT = Path("/var/lib/lazyblock/snapshotter")
+DEFAULT_WORKERS = 16
+# Seconds between checks for lost remote mounts: a mount server that died is replaced within
+# this time even if no Prepare asks for its layer.
+DEFAULT_REMOUNT_INTERVAL = 30.0
+DEFAULT_CONTAINERD_ADDRESS = Path("/run/containerd/containerd.sock")
 
 
 class ConfigError(SnapshotterError, ValueError):
     """The configuration file or an override is invalid."""
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How the fetcher talks to the store. Every field is per mount."""
+
+    max_parallel: int = 8
+    """Worker threads, hence store requests in flight at once (hung ones not counted)."""
+
+    max_parallel_prefetch: int = 2
+    """Of those, how many prefetch jobs may hold at once, so that on-demand reads always find
+    a free worker soon even while a prefetch runs."""
+
+    request_timeout: float = 10.0
+    """Seconds a ranged read may go without delivering a sector before it is abandoned and
+    retried (sectors arrive one by one as their bytes do). Generous: a sector is up to 4 MiB
+    over a possibly slow link."""
+
+    retries: int = 3
+    """Attempts after the first for one request (failed, timed out or not verifying)."""
+
+    backoff_base: float = 0.1
+    """Seconds; retry ``k`` (from 1) sleeps uniformly in ``[0, min(backoff_max,
+    backoff_base * 2**(k-1))]`` ("full jitter"), so retrying readers do not stampede."""
+
+    backoff_max: float = 2.0
+    """Upper bound of one backoff sleep, in seconds."""
+
+    deadline: float = 30.0
+    """Default total seconds a ``get`` may take when the caller passes no deadline; past it
+    the read fails with ``FetchTimeoutError`` (EIO) instead of hanging the application."""
+
+    max_request_bytes: int = 16 << 20
+    """Largest coalesced ranged read, in blob bytes (a single sector is never split), for
+    on-demand reads and read-ahead alike. Bigger requests amortise the store's per-request
+    cost and round trips (sectors are handed out as they arrive, so a big request does not
+    delay the first); smaller ones spread a sequential reader's window over more
+    connections."""
+
+    max_stuck_requests: int = 32
+    """Abandoned store calls (timed out, still running on their thread) tolerated at once;
+    beyond this, new requests fail immediately until some return."""
+
+    timeout_memory: float = 1.0
+    """Seconds after a sector's fetch missed a deadline during which its readers wait at most
+    ``RETRY_WAIT`` instead of a whole deadline, unless the store answers a request meanwhile;
+    meant for the kernel's immediate retries of a failed read. 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_memory < 0:
+            raise ValueError("timeout_memory must not be negative")
+        if self.max_parallel < 1 or not 0 <= self.max_parallel_prefetch <= self.max_parallel:
+            raise ValueError("need max_parallel >= 1 and 0 <= max_parallel_prefetch <= it")
+        if self.request_timeout <= 0 or self.deadline <= 0:
+            raise ValueError("request_timeout and deadline must be positive")
+        if self.retries < 0 or self.backoff_base < 0 or self.backoff_max < 0:
+            raise ValueError("retries and backoff must not be negative")
+        if self.max_request_bytes < 1 or self.max_stuck_requests < 0:
+            raise ValueError("max_request_bytes must be positive, max_stuck_requests >= 0")
+
+
+class PrefetchMode(enum.Enum):
+    """What a mount fetches in the background (``snapshotter.datapath.prefetch.plan``)."""
+
+    NONE = "none"  # nothing in the background
+    PROFILE = "profile"  # the index's prefetch list, then metadata
+    FULL = "full"  # ... then the whole image
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """How one mount prefetches."""
+
+    mode: PrefetchMode = PrefetchMode.PROFILE
+    """What to fetch: see ``plan``."""
+
+    batch_sectors: int = 4
+    """Sectors asked for per fetcher call (adjacent ones become one request). Small, so an
+    on-demand request queued behind a batch waits little."""
+
+    bandwidth: int | None = None
+    """Cap on stored bytes fetched per second by the prefetcher; None for no cap."""
+
+    burst_bytes: int = 16 << 20
+    """Token bucket size: how far the prefetcher may run ahead of ``bandwidth`` after idling."""
+
+    batch_timeout: float = 120.0
+    """Seconds one batch may take before it counts as failed."""
+
+    max_failures: int = 3
+    """Consecutive failed batches after which the prefetcher gives up."""
+
+    max_cache_fraction: float = 0.5
+    """Stop after fetching this fraction of the cache's capacity (decoded bytes, as the
+    cache holds them)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
+            raise ValueError("batch_sectors, max_failures and batch_timeout must be positive")
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ValueError("bandwidth must be positive (or None for no cap)")
+        if self.burst_bytes < 0 or not 0 < self.max_cache_fraction <= 1:
+            raise ValueError("burst_bytes must be >= 0 and max_cache_fraction in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -78,7 +196,8 @@ class MountConfig:
     read_timeout: float | None = None
     """Seconds one FUSE read may take before it fails with EIO (default: fetch.deadline)."""
     readahead_bytes: int = 128 << 20
-    """Image bytes fetched ahead of a sequential reader (``snapshotter.reader``); 0: none."""
+    """Image bytes fetched ahead of a sequential reader (``snapshotter.datapath.reader``);
+    0: none."""
     kernel_read_ahead_kb: int = 4096
     """Read-ahead of the erofs mount, in KiB: how much the kernel asks the FUSE file for at
     once when a file is read sequentially (FUSE splits it into 1 MiB requests); 0 leaves
@@ -153,11 +272,42 @@ class MountConfig:
 
 
 @dataclass(frozen=True)
+class ServiceConfig:
+    """What ``snapshotter serve`` needs beyond its mounts' ``MountConfig``: the
+    ``[snapshotter]`` section. Its paths are absolute (``load_config`` makes them so):
+    containerd and the kubelet reach them from their own directories."""
+
+    address: Path = DEFAULT_ADDRESS
+    """The unix socket containerd's ``[proxy_plugins.lazyblock] address`` names."""
+    root: Path = DEFAULT_ROOT
+    """Snapshot metadata (``metadata.db``), layer directories and mount points."""
+    insecure_registries: tuple[str, ...] = ()
+    """``HOST:PORT`` of registries reached over plain HTTP (loopback tests only)."""
+    workers: int = DEFAULT_WORKERS
+    """gRPC handler threads (mounts of several layers can run at once)."""
+    remount_interval: float = DEFAULT_REMOUNT_INTERVAL
+    """Seconds between checks for remote snapshots whose mount is gone (a killed mount
+    server), which are then remounted; 0: only at start and when a Prepare needs one."""
+    image_service_address: Path | None = None
+    """Unix socket for the CRI image service proxy (the kubelet's
+    ``--image-service-endpoint``) that records pull credentials for lazy mounts
+    (``snapshotter.containerd.keychain.cri``); None: not served."""
+    containerd_address: Path = DEFAULT_CONTAINERD_ADDRESS
+    """containerd's gRPC socket, where the image service proxy forwards CRI calls."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.remount_interval < 0:
+            raise ConfigError("snapshotter.workers must be >= 1, remount_interval >= 0")
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole file: what mounts use, and what the node's metrics exporter uses."""
+    """The whole file: what mounts use, what the node's metrics exporter uses, and what the
+    containerd-facing daemon uses."""
 
     mount: MountConfig = field(default_factory=MountConfig)
     metrics_listen: str = DEFAULT_METRICS_LISTEN
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -175,7 +325,7 @@ def parse_size(value: object) -> int:
 
 
 # section.key -> (converter, where it goes). "m." is a MountConfig field, "f." a FetchConfig
-# field, "s." a StoreOptions field, "c." a Config field.
+# field, "s." a StoreOptions field, "c." a Config field, "d." a ServiceConfig field.
 def _bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
@@ -215,6 +365,22 @@ def _opt_path(v: object) -> Path | None:
     return Path(str(v)) if str(v) else None
 
 
+def _abs_path(v: object) -> Path:
+    return Path(os.path.abspath(str(v)))
+
+
+def _opt_abs_path(v: object) -> Path | None:
+    return _abs_path(v) if str(v) else None
+
+
+def _hosts(v: object) -> tuple[str, ...]:
+    """A TOML list of ``HOST:PORT``, or one string of them separated by commas (``--set``)."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list | tuple):
+        raise ConfigError(f"not a list of hosts: {v!r}")
+    return tuple(str(h).strip() for h in items if str(h).strip())
+
+
 KEYS: dict[str, tuple[Any, str]] = {
     "cache.dir": (lambda v: Path(str(v)), "m.cache_dir"),
     "cache.size": (parse_size, "m.cache_size"),
@@ -245,6 +411,13 @@ KEYS: dict[str, tuple[Any, str]] = {
     "store.retries": (_int, "s.retries"),
     "store.docker_config": (_opt_path, "s.docker_config"),
     "metrics.listen": (str, "c.metrics_listen"),
+    "snapshotter.address": (_abs_path, "d.address"),
+    "snapshotter.root": (_abs_path, "d.root"),
+    "snapshotter.insecure_registries": (_hosts, "d.insecure_registries"),
+    "snapshotter.workers": (_int, "d.workers"),
+    "snapshotter.remount_interval": (_float, "d.remount_interval"),
+    "snapshotter.image_service_address": (_opt_abs_path, "d.image_service_address"),
+    "snapshotter.containerd_address": (_abs_path, "d.containerd_address"),
 }
 
 
@@ -256,7 +429,7 @@ def load_config(path: Path | None = None, overrides: dict[str, object] | None = 
 
 def read_config_file(path: Path | None = None) -> dict[str, Any]:
     """The parsed TOML of ``path`` (the default file if None; a missing default file is
-    empty, a missing explicit one an error). Shared by mounts and ``snapshotter serve``."""
+    empty, a missing explicit one an error)."""
     explicit = path is not None
     path = path or DEFAULT_CONFIG_PATH
     if not explicit and not path.exists():
@@ -272,26 +445,19 @@ def read_config_file(path: Path | None = None) -> dict[str, Any]:
 def config_from_document(
     doc: dict[str, Any], overrides: dict[str, object] | None = None, where: Path | str = ""
 ) -> Config:
-    """The mount configuration from a parsed file (``where`` names it in errors); the
-    daemon's own sections are skipped."""
+    """The configuration from a parsed file (``where`` names it in errors)."""
     flat: dict[str, object] = {}
     for section, table in doc.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: top-level key {section!r} must be a [section]")
-        if section in DAEMON_SECTIONS:
-            continue  # read and checked by ``snapshotter serve`` (service.py)
         for key, value in table.items():
             flat[f"{section}.{key}"] = value
     flat.update(overrides or {})
     return build_config(flat)
 
 
-# Sections of the same file that belong to the containerd-facing daemon, not to mounts.
-DAEMON_SECTIONS = frozenset({"snapshotter"})
-
-
 def build_config(flat: dict[str, object]) -> Config:
-    parts: dict[str, dict[str, object]] = {"m": {}, "f": {}, "s": {}, "c": {}}
+    parts: dict[str, dict[str, object]] = {"m": {}, "f": {}, "s": {}, "c": {}, "d": {}}
     for key, value in flat.items():
         if key not in KEYS:
             raise ConfigError(f"unknown configuration key {key!r}")
@@ -306,7 +472,8 @@ def build_config(flat: dict[str, object]) -> Config:
         store = StoreOptions(**parts["s"])  # type: ignore[arg-type]
         mount = MountConfig(**parts["m"], fetch=fetch, store=store)  # type: ignore[arg-type]
         mount.prefetch_config()  # validate
-        return Config(mount=mount, **parts["c"])  # type: ignore[arg-type]
+        service = ServiceConfig(**parts["d"])  # type: ignore[arg-type]
+        return Config(mount=mount, service=service, **parts["c"])  # type: ignore[arg-type]
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:

@@ -639,7 +639,7 @@ class Lazyblock:
     @staticmethod
     def unavailable() -> str | None:
         """Why the lazy scenarios cannot run here, or None."""
-        for mod in ("snapshotter.cli", "snapshotter.mount"):
+        for mod in ("snapshotter.cli", "snapshotter.mount.api"):
             if importlib.util.find_spec(mod) is None:
                 return f"{mod} is not there yet"
         for tool in ("fusermount3",):

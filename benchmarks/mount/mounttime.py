@@ -1,4 +1,4 @@
-"""Time ``snapshotter.mount.mount`` of one checkout: run with that checkout on ``PYTHONPATH``
+"""Time ``snapshotter.mount.api.mount`` of one checkout: run with that checkout on ``PYTHONPATH``
 (``run.py`` does), so that the mount API *and* the server it starts are that checkout's.
 
     PYTHONPATH=CHECKOUT python mounttime.py '{"ref": ..., "work": ..., "backing": ...,
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from imagetool.stores.base import StoreOptions
-from snapshotter import mount as api
 from snapshotter.config import MountConfig
+from snapshotter.mount import api
 
 
 def main() -> int:
@@ -75,7 +75,7 @@ def main() -> int:
     seconds, breakdown, launch = one(**({"fork_server": False} if forkable else {}))
     out.update(first_mount_seconds=seconds, first_mount_breakdown=breakdown)
     if forkable:
-        from snapshotter import forkserver
+        from snapshotter.mount import forkserver
 
         forkserver.ensure_running(timeout=120)
     cold, warm = [], []
@@ -121,7 +121,7 @@ def cli_mount(ref: str, mnt: Path, cfg: MountConfig, work: Path) -> tuple[float,
 def stop_fork_server(timeout: float = 10.0) -> None:
     """End the fork server of this context, if one listens (found by its socket's name), so
     that the next command starts as on a node that has never mounted."""
-    from snapshotter import forkserver
+    from snapshotter.mount import forkserver
 
     name = "@" + forkserver.socket_name(forkserver.context_key())[1:].decode()
     with open("/proc/net/unix") as f:

@@ -6,7 +6,7 @@
         [--mount-only] [--mount-repeats N] [--link PRESET]
 
 Measures, on the same image:
-* mount time (``snapshotter.mount.mount`` wall time, and the server's own breakdown, by
+* mount time (``snapshotter.mount.api.mount`` wall time, and the server's own breakdown, by
   ``mounttime.py`` in a process running the checkout's code): a node's first mount
   (``first_mount_seconds``: the server started as a new interpreter), a mount with empty
   caches on a node that has mounted before (``mount_seconds``: server code in the page
@@ -76,10 +76,9 @@ from benchmarks.coldstart import netns  # noqa: E402
 from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa: E402
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
-from snapshotter import mount as api  # noqa: E402
-from snapshotter import state  # noqa: E402
 from snapshotter.config import MountConfig  # noqa: E402
-from snapshotter.fuse import IMAGE_NAME  # noqa: E402
+from snapshotter.mount import api, state  # noqa: E402
+from snapshotter.mount.fuse import IMAGE_NAME  # noqa: E402
 
 MIB = 1 << 20
 FILE_SIZE = 64 * MIB
@@ -289,7 +288,7 @@ def measure_mount(ref: str, work: Path, backing: str, repeats: int) -> dict[str,
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(checkout / "snapshotter"),
                     str(checkout / "imagetool")], check=True)  # fmt: skip
     # ...and the server's code in the page cache, as on a node that has mounted before.
-    subprocess.run([sys.executable, "-c", "import snapshotter.mountd"], check=True)
+    subprocess.run([sys.executable, "-c", "import snapshotter.mount.server"], check=True)
     doc = json.dumps({"ref": ref, "work": str(work), "backing": backing, "repeats": repeats})
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("mounttime.py")), doc],

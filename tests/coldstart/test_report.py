@@ -48,11 +48,11 @@ def test_targets_not_evaluated_say_why():
     scen = {
         "full-pull": _scen(50.0, 900),
         "local": _scen(3.0, 0, 100),
-        "lazy-profile": {"status": "not-run", "reason": "snapshotter.mount is not there"},
+        "lazy-profile": {"status": "not-run", "reason": "snapshotter.mount.api is not there"},
     }
     t = run.evaluate_targets(scen)
     assert [x["met"] for x in t] == [None, None, None]
-    assert "snapshotter.mount is not there" in t[0]["measured"]
+    assert "snapshotter.mount.api is not there" in t[0]["measured"]
 
 
 def _results() -> dict:

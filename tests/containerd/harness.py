@@ -89,7 +89,7 @@ def wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 30.
 
 
 class SnapshotterDaemon:
-    """``python -m snapshotter.service`` (what ``snapshotter serve`` runs)."""
+    """``python -m snapshotter serve``."""
 
     def __init__(
         self,
@@ -118,7 +118,7 @@ class SnapshotterDaemon:
         self.address.unlink(missing_ok=True)
         logf = open(self.log, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "snapshotter.service", "--config", str(self.config),
+            [sys.executable, "-m", "snapshotter", "serve", "--config", str(self.config),
              "--address", str(self.address), "--insecure-registry", self.insecure, "-v"],
             stdout=logf, stderr=logf, start_new_session=True, env=self.env,
         )  # fmt: skip
@@ -359,14 +359,14 @@ def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> 
 
 def mount_config(node: Containerd):  # noqa: ANN201
     """The MountConfig of the node's snapshotter daemon."""
-    from snapshotter.service import load_service_config
+    from snapshotter.config import load_config
 
-    return load_service_config(node.snapshotter.config, {}).mount
+    return load_config(node.snapshotter.config).mount
 
 
 def kill_mount_servers(node: Containerd) -> list[Path]:
     """SIGKILL every live mount server of the daemon; returns their mount points."""
-    from snapshotter import mount as mount_mod
+    from snapshotter.mount import api as mount_mod
 
     config = mount_config(node)
     live = [m for m in mount_mod.list_mounts(config) if m.alive]
@@ -380,7 +380,7 @@ def kill_mount_servers(node: Containerd) -> list[Path]:
 
 def alive_at(node: Containerd, mountpoints: list[Path]) -> bool:
     """Whether a live mount server serves each of ``mountpoints``."""
-    from snapshotter import mount as mount_mod
+    from snapshotter.mount import api as mount_mod
 
     alive = {m.mountpoint for m in mount_mod.list_mounts(mount_config(node)) if m.alive}
     return set(mountpoints) <= alive
@@ -416,10 +416,10 @@ def running_node(
 
 def _unmount_lazyblock(daemon: SnapshotterDaemon) -> None:
     """Stop mount servers the daemon left (a failed test may leave some)."""
-    from snapshotter import mount as mount_mod
-    from snapshotter.service import load_service_config
+    from snapshotter.config import load_config
+    from snapshotter.mount import api as mount_mod
 
-    config = load_service_config(daemon.config, {}).mount
+    config = load_config(daemon.config).mount
     for info in mount_mod.list_mounts(config):
         try:
             mount_mod.unmount(Path(info.mountpoint), config)

@@ -169,7 +169,7 @@ def test_daemon_restart_keeps_running_container(node: Containerd, lazy_image) ->
 
 
 def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
-    from snapshotter import mount as mount_mod
+    from snapshotter.mount import api as mount_mod
 
     ref, _ = lazy_image
     node.cri_pull(ref)
@@ -186,7 +186,7 @@ def test_removing_the_image_frees_mounts(node: Containerd, lazy_image) -> None:
 
 
 def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> None:
-    from snapshotter import mount as mount_mod
+    from snapshotter.mount import api as mount_mod
 
     ref, _ = lazy_image
     node.cri_pull(ref)

@@ -41,7 +41,7 @@ from harness import (
 )
 from support import AuthRegistry, require, require_fuse, token_auth_registry
 
-from snapshotter.proto import load_cri
+from snapshotter.containerd.proto import load_cri
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 

@@ -8,9 +8,9 @@ import base64
 import pytest
 
 from snapshotter.config import MountConfig
-from snapshotter.crikeychain import Keychain, KeychainError, secret_from_auth
-from snapshotter.proto import load_cri
-from snapshotter.remote import MountBackend
+from snapshotter.containerd.keychain.cri import Keychain, KeychainError, secret_from_auth
+from snapshotter.containerd.mounter import MountBackend
+from snapshotter.containerd.proto import load_cri
 
 cri = load_cri()
 

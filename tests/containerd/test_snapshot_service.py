@@ -13,19 +13,19 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from test_snapshot_store import FakeMounter
 
 from imagetool.format import ANNOTATION_ROLE, BLOB_MEDIA_TYPE, INDEX_MEDIA_TYPE
-from snapshotter.proto import load
-from snapshotter.remote import (
+from imagetool.stores.refs import split_image_ref
+from snapshotter.containerd.handshake import RemoteLayers
+from snapshotter.containerd.layers import (
     LABEL_CRI_IMAGE_REF,
     LABEL_CRI_LAYER_DIGEST,
     LABEL_CRI_MANIFEST_DIGEST,
     LABEL_REMOTE,
     LABEL_TARGET_REF,
     LayerResolver,
-    RemoteLayers,
-    split_image_ref,
 )
-from snapshotter.service import start_server
-from snapshotter.snapshots import SnapshotStore
+from snapshotter.containerd.proto import load
+from snapshotter.containerd.service import start_server
+from snapshotter.containerd.snapshots import SnapshotStore
 
 _, pb, pb_grpc = load()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.snapshots import (
+from snapshotter.containerd.snapshots import (
     Info,
     Kind,
     Mount,

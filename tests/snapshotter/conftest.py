@@ -17,8 +17,9 @@ from datapath_support import (
     standard_contents,
 )
 
-from snapshotter.cache import SectorCache
-from snapshotter.fetcher import FetchConfig, SectorFetcher
+from snapshotter.cache.sectors import SectorCache
+from snapshotter.config import FetchConfig
+from snapshotter.datapath.fetcher import SectorFetcher
 from snapshotter.metrics import MountMetrics
 
 

@@ -24,8 +24,8 @@ from imagetool.format import (
 )
 from imagetool.stores.base import BytesBody, RangeBody, Store
 from imagetool.stores.dir import DirStore
-from snapshotter.cache import LAYOUT_VERSION
-from snapshotter.fetcher import FetchConfig
+from snapshotter.cache.sectors import LAYOUT_VERSION
+from snapshotter.config import FetchConfig
 
 SECTOR = 64 << 10
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 import pytest
 from datapath_support import SECTOR, Image, wait_until
 
+from snapshotter.config import FetchConfig
+from snapshotter.datapath.fetcher import SectorFetcher
+from snapshotter.datapath.reader import READAHEAD_MARGIN, BlockReader
 from snapshotter.errors import FetchError, InvalidReadError
-from snapshotter.fetcher import FetchConfig, SectorFetcher
-from snapshotter.reader import READAHEAD_MARGIN, BlockReader
 
 MakeFetcher = Callable[..., SectorFetcher]
 

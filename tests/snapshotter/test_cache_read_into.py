@@ -10,7 +10,7 @@ import pytest
 from datapath_support import entry_path, set_mtime
 
 from imagetool.format import sector_checksum
-from snapshotter.cache import SectorCache
+from snapshotter.cache.sectors import SectorCache
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["verified", "first-use"])

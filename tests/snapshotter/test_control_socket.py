@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter import control
+from snapshotter.mount import control
 
 
 @pytest.mark.parametrize("depth", [1, 12])

@@ -27,11 +27,12 @@ from datapath_support import (
 
 from imagetool.errors import StoreError
 from imagetool.stores.base import Store
-from snapshotter.cache import SectorCache
+from snapshotter.cache.sectors import SectorCache
+from snapshotter.config import FetchConfig
+from snapshotter.datapath.fetcher import SectorFetcher
+from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import FetchError
-from snapshotter.fetcher import FetchConfig, SectorFetcher
 from snapshotter.metrics import MountMetrics
-from snapshotter.reader import BlockReader
 
 CONFIG = FetchConfig(
     max_parallel=4,

@@ -1,5 +1,5 @@
 """The fork server's context key: what a forked mount server inherits from the fork server
-rather than from its caller must name the fork server (``snapshotter.forkserver``)."""
+rather than from its caller must name the fork server (``snapshotter.mount.forkserver``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter import forkserver
+from snapshotter.mount import forkserver
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 from datapath_support import SECTOR, Image
 
-from snapshotter.fetcher import SectorFetcher
-from snapshotter.fuse import BLOCK, BlockFile
-from snapshotter.reader import BlockReader
+from snapshotter.datapath.fetcher import SectorFetcher
+from snapshotter.datapath.reader import BlockReader
+from snapshotter.mount.fuse import BLOCK, BlockFile
 
 
 def _read(ops: BlockFile, offset: int, length: int) -> bytes:

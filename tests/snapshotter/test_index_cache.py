@@ -1,4 +1,4 @@
-"""The node's index cache (``snapshotter.indexcache``): only verified bytes come out."""
+"""The node's index cache (``snapshotter.cache.indexes``): only verified bytes come out."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from snapshotter import indexcache
+from snapshotter.cache import indexes as indexcache
 
 
 def _digest(data: bytes) -> str:

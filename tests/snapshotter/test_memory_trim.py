@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from snapshotter import memory
+from snapshotter.mount import memory
 
 
 def test_trims_once_per_burst_after_it_has_been_quiet() -> None:
@@ -47,7 +47,7 @@ def test_trim_gives_freed_heap_memory_back() -> None:
 _CHURN = textwrap.dedent(
     """
     import resource, sys, threading
-    from snapshotter import memory
+    from snapshotter.mount import memory
     if sys.argv[1] == "tuned":
         assert memory.tune()
     def churn():

@@ -11,8 +11,8 @@ def test_a_mount_server_raises_its_soft_descriptor_limit_to_the_hard_one() -> No
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     code = (
         "import resource\n"
-        "from snapshotter.cache import open_file_cap\n"
-        "from snapshotter.mountd import raise_open_file_limit\n"
+        "from snapshotter.cache.sectors import open_file_cap\n"
+        "from snapshotter.mount.server import raise_open_file_limit\n"
         "before = open_file_cap()\n"
         "raise_open_file_limit()\n"
         "print(*resource.getrlimit(resource.RLIMIT_NOFILE), before, open_file_cap())\n"

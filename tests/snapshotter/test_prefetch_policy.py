@@ -10,9 +10,15 @@ from collections.abc import Callable
 import pytest
 from datapath_support import FAST, Image, build_image, wait_until
 
-from snapshotter.cache import SectorCache
-from snapshotter.fetcher import SectorFetcher
-from snapshotter.prefetch import PrefetchConfig, Prefetcher, PrefetchMode, TokenBucket, plan
+from snapshotter.cache.sectors import SectorCache
+from snapshotter.datapath.fetcher import SectorFetcher
+from snapshotter.datapath.prefetch import (
+    PrefetchConfig,
+    Prefetcher,
+    PrefetchMode,
+    TokenBucket,
+    plan,
+)
 
 MakeFetcher = Callable[..., SectorFetcher]
 

@@ -19,17 +19,9 @@ import support
 from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
-from snapshotter.cache import (
-    ALIGN,
-    LAYOUT_VERSION,
-    VERIFY_BLOCK,
-    EntryBuffer,
-    SectorCache,
-    cache_entries,
-    entry_file_size,
-    shared_usage,
-    usage_bytes,
-)
+from snapshotter.cache.entry import ALIGN, VERIFY_BLOCK, EntryBuffer, entry_file_size
+from snapshotter.cache.sectors import LAYOUT_VERSION, SectorCache, cache_entries, shared_usage
+from snapshotter.cache.usage import usage_bytes
 
 T = TypeVar("T")
 
@@ -245,7 +237,7 @@ _WRITER = """
 import random, sys
 from pathlib import Path
 from imagetool.format import sector_checksum
-from snapshotter.cache import SectorCache
+from snapshotter.cache.sectors import SectorCache
 
 root, cap, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cache = SectorCache(root, cap)
@@ -516,7 +508,7 @@ def test_entries_written_with_another_block_size_are_read_and_checked_as_they_ar
     tmp_path: Path,
 ) -> None:
     # e.g. from a release with another VERIFY_BLOCK: 4 KiB blocks, as the trailer says
-    from snapshotter.cache import _aligned, block_digests, entry_trailer
+    from snapshotter.cache.entry import aligned, block_digests, entry_trailer
 
     data = random.Random(14).randbytes(300_000)
     key = sector_checksum(data)
@@ -525,7 +517,7 @@ def test_entries_written_with_another_block_size_are_read_and_checked_as_they_ar
     trailer = entry_trailer(key, len(data), block_digests(data, block), block)
     path = entry_path(tmp_path, key)
     path.parent.mkdir(parents=True)
-    path.write_bytes(data + bytes(_aligned(len(data)) - len(data)) + trailer)
+    path.write_bytes(data + bytes(aligned(len(data)) - len(data)) + trailer)
     cache = SectorCache(tmp_path, 4 << 20)
     assert cache.read(key, 20_000, 100_000, size=len(data)) == data[20_000:120_000]
     out = memoryview(bytearray(5000))
@@ -696,7 +688,7 @@ def test_entry_buffers_on_a_full_filesystem_evict_and_never_fail(tiny_fs: Path) 
 
 
 def test_aligned_buffers_are_reused_and_the_sizes_in_use_keep_their_room() -> None:
-    from snapshotter.cache import POOL_GRAIN, _Buffers
+    from snapshotter.cache.sectors import POOL_GRAIN, _Buffers
 
     pool = _Buffers(1 << 20)
     big = [pool.take(400 << 10) for _ in range(3)]  # e.g. a cold pass's entry writes

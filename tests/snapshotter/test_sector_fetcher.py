@@ -13,9 +13,10 @@ from datapath_support import FAST, Image, entry_path, wait_until
 
 from imagetool.format import Index, blob_range
 from imagetool.stores.dir import DirStore
-from snapshotter.cache import SectorCache
+from snapshotter.cache.sectors import SectorCache
+from snapshotter.config import FetchConfig
+from snapshotter.datapath.fetcher import Priority, SectorFetcher
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
-from snapshotter.fetcher import FetchConfig, Priority, SectorFetcher
 
 MakeFetcher = Callable[..., SectorFetcher]
 

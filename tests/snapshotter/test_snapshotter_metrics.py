@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from datapath_support import Image
 
-from snapshotter.fetcher import SectorFetcher
+from snapshotter.datapath.fetcher import SectorFetcher
 from snapshotter.metrics import Counter, Histogram, MountMetrics
 
 

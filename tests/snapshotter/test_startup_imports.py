@@ -32,7 +32,8 @@ def _loaded_after(code: str, names: tuple[str, ...]) -> list[str]:
 def test_the_mount_command_imports_nothing_a_mount_does_not_use() -> None:
     loaded = _loaded_after(
         """
-        from snapshotter import cli, mount
+        from snapshotter import cli
+        from snapshotter.mount import api as mount
         cli.cli.get_command(None, "mount")
         """,
         (*NOT_FOR_A_MOUNT, "httpx"),
@@ -45,7 +46,7 @@ def test_a_mount_server_on_a_registry_or_directory_store_imports_neither_boto3_n
         """
         from snapshotter.startup import skip_unused_imports
         skip_unused_imports()
-        from snapshotter import mountd
+        from snapshotter.mount import server as mountd
         from imagetool.stores import open_store
         open_store("docker://127.0.0.1:9/some/image:v1").close()
         open_store("/nonexistent/store/image:v1")

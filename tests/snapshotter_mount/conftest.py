@@ -16,8 +16,7 @@ from itool import fill_base, fill_update
 from ocibuild import build_with_umoci, unpack_with_umoci
 from support import require_fuse, require_root, require_tool
 
-from snapshotter.config import MountConfig
-from snapshotter.fetcher import FetchConfig
+from snapshotter.config import FetchConfig, MountConfig
 
 
 @pytest.fixture
@@ -33,7 +32,7 @@ def config(tmp_path: Path) -> Iterator[MountConfig]:
         fetch=FetchConfig(request_timeout=2.0, retries=1, backoff_base=0.05, deadline=5.0),
     )
     yield cfg
-    from snapshotter import mount as api
+    from snapshotter.mount import api
 
     for info in api.list_mounts(cfg):
         try:

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotter.config import KEYS, ConfigError, MountConfig, load_config
-from snapshotter.prefetch import PrefetchMode
+from snapshotter.config import KEYS, ConfigError, MountConfig, PrefetchMode, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "config.toml.example"
 
@@ -64,30 +63,30 @@ def test_example_documents_every_key() -> None:
 
 
 def test_one_file_for_mounts_and_the_daemon() -> None:
-    from snapshotter.service import (
+    from snapshotter.config import (
         DEFAULT_ADDRESS,
         DEFAULT_REMOUNT_INTERVAL,
         DEFAULT_ROOT,
         DEFAULT_WORKERS,
-        load_service_config,
     )
 
-    service = load_service_config(EXAMPLE, {})
+    config = load_config(EXAMPLE)
+    service = config.service
     assert (service.address, service.root) == (DEFAULT_ADDRESS, DEFAULT_ROOT)
     assert service.workers == DEFAULT_WORKERS
     assert service.remount_interval == DEFAULT_REMOUNT_INTERVAL
-    assert service.insecure_registries == () and service.mount == MountConfig()
-    # the mount commands read the same file and leave [snapshotter] to the daemon
-    assert load_config(EXAMPLE).mount == MountConfig()
+    assert service.insecure_registries == () and config.mount == MountConfig()
 
 
 def test_daemon_paths_given_relative_are_absolute(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """containerd and the kubelet reach the daemon's sockets and its snapshots' paths from
     their own directories."""
-    from snapshotter.service import load_service_config
-
     monkeypatch.chdir(tmp_path)
-    flags = {"address": "s.sock", "root": "root", "image_service_address": "cri.sock"}
-    service = load_service_config(EXAMPLE, flags)
+    flags = {
+        "snapshotter.address": "s.sock",
+        "snapshotter.root": "root",
+        "snapshotter.image_service_address": "cri.sock",
+    }
+    service = load_config(EXAMPLE, flags).service
     assert service.address == tmp_path / "s.sock" and service.root == tmp_path / "root"
     assert service.image_service_address == tmp_path / "cri.sock"

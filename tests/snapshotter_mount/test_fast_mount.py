@@ -12,8 +12,7 @@ import pytest
 from itool import snapshot
 
 from imagetool.image import open_image
-from snapshotter import forkserver, kernel
-from snapshotter import mount as api
+from snapshotter.mount import api, forkserver, kernel
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -131,7 +130,7 @@ def test_fork_server_serves_only_its_own_uid(tmp_path) -> None:  # noqa: ANN001
 _FORK_SELF = """
 import json, os, sys, threading
 from pathlib import Path
-from snapshotter import mount as api
+from snapshotter.mount import api
 from snapshotter.config import MountConfig
 cfg = MountConfig.from_dict(json.loads(sys.argv[1]))
 if sys.argv[4] == "threads":

@@ -31,9 +31,8 @@ from itool import imagetool
 from mounthelp import drop_caches, with_store_options
 from support import PausableProxy, Registry
 
-from snapshotter import kernel
-from snapshotter import mount as api
 from snapshotter.config import MountConfig
+from snapshotter.mount import api, kernel
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 

@@ -17,10 +17,9 @@ from itool import imagetool, snapshot
 from mounthelp import drop_caches, snapshotter, with_store_options
 
 from imagetool.image import open_image
-from snapshotter import kernel
-from snapshotter import mount as api
-from snapshotter.cache import cache_usage
-from snapshotter.promexport import exposition
+from snapshotter.cache.sectors import cache_usage
+from snapshotter.mount import api, kernel
+from snapshotter.prometheus import exposition
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -207,7 +206,7 @@ def test_mounts_sharing_a_small_cache_keep_it_under_its_cap(config, umoci_source
     # sectors), mounted at once with one cache of 1 MiB, a fraction of either: each mount
     # server evicts the other's entries as well as its own, so the directory stays at the
     # cap, and both trees read back whole.
-    from snapshotter.cache import cache_usage
+    from snapshotter.cache.sectors import cache_usage
 
     cfg = replace(config, cache_size=1 << 20)
     mounts = []

@@ -27,8 +27,8 @@ from support import AuthRegistry, TokenServer, require_tool, token_auth_registry
 
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import RegistryStore
-from snapshotter import mount as api
 from snapshotter.config import MountConfig
+from snapshotter.mount import api
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -194,8 +194,8 @@ def test_daemon_credentials_follow_a_rotated_secret(
     """The containerd-facing daemon's path: credentials from a mounted Kubernetes secret
     (``.dockerconfigjson``), merged for the mount servers; a rotated secret is used by the
     next mount without a restart, and nothing secret reaches a log."""
-    from snapshotter.remote import RemoteLayers
-    from snapshotter.service import ServiceConfig
+    from snapshotter.config import Config, ServiceConfig
+    from snapshotter.containerd.handshake import RemoteLayers
 
     registries = _token_registry(tmp_path, LIFETIME)
     reg = next(registries)
@@ -207,10 +207,8 @@ def test_daemon_credentials_follow_a_rotated_secret(
         secret = tmp_path / "secret"
         _docker_config(secret, reg.host).rename(secret / ".dockerconfigjson")
         mount_config = replace(config, store=replace(config.store, docker_config=secret))
-        service = ServiceConfig(
-            root=tmp_path / "root", insecure_registries=(reg.host,), mount=mount_config
-        )
-        remote = RemoteLayers.create(service)
+        service = ServiceConfig(root=tmp_path / "root", insecure_registries=(reg.host,))
+        remote = RemoteLayers.create(Config(mount=mount_config, service=service))
         source = umoci_source[1]
         caplog.set_level(logging.DEBUG)
 

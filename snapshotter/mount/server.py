@@ -1,17 +1,17 @@
 """The mount server: one long-lived process per mounted image.
 
-``snapshotter mount`` (``snapshotter.mount.mount``) starts it detached, or the CLI runs it in
+``snapshotter mount`` (``snapshotter.mount.api.mount``) starts it detached, or the CLI runs it in
 the foreground. In order, it:
 
 1. opens the store, resolves the reference, fetches the index (or takes it from the node's
-   index cache, ``snapshotter.indexcache``) and verifies it (digest, format);
+   index cache, ``snapshotter.cache.indexes``) and verifies it (digest, format);
 2. fetches the metadata sectors (in parallel, through the fetcher: coalesced requests on
    its workers) into the node's sector cache, while another thread asks the store for the
    data blob's size (it must match the index's; checked before step 5);
-3. serves the FUSE file (``snapshotter.fuse``) on libfuse's threads;
-4. puts the kernel's erofs on it at the mountpoint (``snapshotter.kernel``) and raises the
+3. serves the FUSE file (``snapshotter.mount.fuse``) on libfuse's threads;
+4. puts the kernel's erofs on it at the mountpoint (``snapshotter.mount.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
-5. records itself (``snapshotter.state``), opens its control socket and reports readiness;
+5. records itself (``snapshotter.mount.state``), opens its control socket and reports readiness;
 6. starts the prefetcher, then serves until the FUSE file system is unmounted (that is how
    ``snapshotter umount`` ends it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts
    erofs and FUSE itself).
@@ -23,8 +23,8 @@ the kernel when the server's /dev/fuse closes) and the socket.
 Readiness goes to the parent as one JSON line on an inherited pipe: ``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "error": ...}``.
 
-It runs as its own interpreter (``python -m snapshotter.mountd``, the request as JSON on
-stdin), forked from the pre-imported fork server (``snapshotter.forkserver``) or forked from
+It runs as its own interpreter (``python -m snapshotter.mount.server``, the request as JSON on
+stdin), forked from the pre-imported fork server (``snapshotter.mount.forkserver``) or forked from
 its caller (the ``snapshotter`` command, when no fork server runs yet); all end up in
 ``serve_request``. Its statistics say which (``launch``: exec, fork, self) and how long each
 step of the mount took (``mount_seconds``, with ``launch``: from the caller's request to the
@@ -52,15 +52,16 @@ from imagetool.errors import FormatError
 from imagetool.format import Index
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import Store
-from snapshotter import fuse, indexcache, kernel, memory, state
-from snapshotter.cache import SectorCache
+from snapshotter.cache import indexes as indexcache
+from snapshotter.cache.sectors import SectorCache
 from snapshotter.config import MountConfig
-from snapshotter.control import ControlServer
+from snapshotter.datapath.fetcher import SectorFetcher
+from snapshotter.datapath.prefetch import Prefetcher
+from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
-from snapshotter.fetcher import SectorFetcher
 from snapshotter.metrics import MountMetrics
-from snapshotter.prefetch import Prefetcher
-from snapshotter.reader import BlockReader
+from snapshotter.mount import fuse, kernel, memory, state
+from snapshotter.mount.control import ControlServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -447,7 +448,7 @@ MAX_OPEN_FILES = 1 << 20
 def raise_open_file_limit() -> None:
     """Take the hard limit on open descriptors as this process's soft one (as Go's runtime
     does for every program): a mount server keeps many cache entry files open
-    (``snapshotter.cache.open_file_cap``), and a login shell's soft limit of 1024 would have
+    (``snapshotter.cache.sectors.open_file_cap``), and a login shell's soft limit of 1024 would have
     it reopen an entry on most random reads."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
@@ -482,7 +483,7 @@ def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m snapshotter.mountd --ready-fd N`` with the request (see
+    """``python -m snapshotter.mount.server --ready-fd N`` with the request (see
     ``serve_request``) as JSON on stdin."""
     from snapshotter.startup import skip_unused_imports
 

@@ -1,12 +1,12 @@
 """A pre-imported parent for mount servers, so that a mount does not pay for Python's start.
 
-Starting a mount server as a new interpreter (``python -m snapshotter.mountd``) costs the
+Starting a mount server as a new interpreter (``python -m snapshotter.mount.server``) costs the
 interpreter's start and the import of everything a server needs (httpx, the FUSE binding,
 zstd, the store backends...) plus loading a TLS trust store: several tenths of a second, more
 than the rest of a mount. The fork server pays that once: it imports it all, then waits on a
 Unix socket and, for each mount, forks a child that runs the server
-(``snapshotter.mountd.serve_request``) with the caller's log file, readiness pipe,
-environment and umask. ``snapshotter.mount.mount`` asks it first (``spawn``); when none is
+(``snapshotter.mount.server.serve_request``) with the caller's log file, readiness pipe,
+environment and umask. ``snapshotter.mount.api.mount`` asks it first (``spawn``); when none is
 running (or anything about it fails) it starts the server as a new interpreter, and then
 starts the fork server in the background (``start``) for the mounts that follow. A daemon
 that will mount (the containerd service) can have it ready beforehand: ``ensure_running``.
@@ -140,7 +140,7 @@ def socket_name(key: str) -> bytes:
 
 def spawn(request: dict[str, Any], log_fd: int, ready_fd: int) -> int | None:
     """Have the fork server of this context start a mount server for ``request`` (what
-    ``snapshotter.mountd.serve_request`` takes); returns the server's pid.
+    ``snapshotter.mount.server.serve_request`` takes); returns the server's pid.
 
     Raises ``ForkServerUnavailable`` if none is listening, ``ForkServerError`` if it could not
     be reached or declined to fork: then nothing was started. If the request was sent but no
@@ -226,7 +226,7 @@ def start(key: str | None = None) -> threading.Event:
     key = key or context_key()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "snapshotter.forkserver", "--key", key,
+            [sys.executable, "-m", "snapshotter.mount.forkserver", "--key", key,
              "--package-dir", str(_package_root())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, cwd="/",
@@ -252,7 +252,7 @@ def preload() -> None:
     from imagetool.stores import dir as _dir  # noqa: F401
     from imagetool.stores import registry as _registry  # noqa: F401
     from imagetool.stores.base import StoreOptions
-    from snapshotter import mountd  # noqa: F401
+    from snapshotter.mount import server as mountd  # noqa: F401
 
     # A client imports its HTTP stack when it is built, and host names go through IDNA on
     # the first request: have both done (no connection is made).
@@ -444,7 +444,7 @@ def _become_server(
             os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        from snapshotter import mountd
+        from snapshotter.mount import server as mountd
 
         code = mountd.serve_request(request, ready_fd, launch=launch)
     except BaseException:  # noqa: BLE001 - report and leave; never back into the caller

@@ -30,7 +30,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from snapshotter.cache import cache_usage
+from snapshotter.cache.sectors import cache_usage
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
 
@@ -46,7 +46,7 @@ class MountsCollector(Collector):
         self.config = config
 
     def collect(self) -> Iterator[Metric]:
-        from snapshotter import mount as api
+        from snapshotter.mount import api
 
         all_stats: list[dict[str, Any]] = []
         for info in api.list_mounts(self.config):

@@ -3,9 +3,9 @@
 Sources (the first that names a host wins): docker ``config.json`` files (``auths``) and
 Kubernetes ``kubernetes.io/dockerconfigjson`` secrets mounted as files
 (``.dockerconfigjson``); each source is a file or a directory searched for
-``config.json``/``.dockerconfigjson``/``*.json``. Credentials from the kubelet's CRI pulls are
-not merged here (they would land on disk): ``snapshotter.crikeychain`` holds them in memory
-and they take precedence, per repository, over this file.
+``config.json``/``.dockerconfigjson``/``*.json``. Credentials from the kubelet's CRI pulls
+are not merged here (they would land on disk): ``keychain.cri`` holds them in memory and
+they take precedence, per repository, over this file.
 
 They are merged into one docker ``config.json`` under the daemon's root (mode 0600, written
 atomically), which is what every mount server's ``StoreOptions.docker_config`` names.
@@ -24,6 +24,8 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from imagetool.stores.refs import registry_host
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +60,6 @@ def _auths(path: Path) -> dict[str, dict[str, str]]:
     return {str(k): v for k, v in auths.items() if isinstance(v, dict)}
 
 
-def _host_of(key: str) -> str:
-    if "://" in key:
-        key = key.split("://", 1)[1]
-    return key.split("/", 1)[0]
-
-
 class Credentials:
     """Merged registry credentials, written to ``out`` for the mount servers."""
 
@@ -93,7 +89,7 @@ class Credentials:
             merged: dict[str, dict[str, str]] = {}
             for f in reversed(files):  # earlier sources win
                 for key, entry in _auths(f).items():
-                    merged[_host_of(key)] = entry
+                    merged[registry_host(key)] = entry
             self._write({"auths": merged})
             self._seen = seen
             log.info("registry credentials: %d host(s) from %d file(s)", len(merged), len(files))

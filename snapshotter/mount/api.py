@@ -7,16 +7,16 @@ This is what the CLI and the containerd-facing service call; it is stable::
     list_mounts(config)                                              # -> [MountInfo]
     unmount(Path("/mnt/app"), config)                                # idempotent
 
-Each mount is served by its own long-lived process (``snapshotter.mountd``), started detached
+Each mount is served by its own long-lived process (``snapshotter.mount.server``), started detached
 here, so the caller may exit or restart without disturbing running containers: forked from
-the pre-imported fork server of this context (``snapshotter.forkserver``), which spares it
+the pre-imported fork server of this context (``snapshotter.mount.forkserver``), which spares it
 the interpreter's start and imports, or, when there is none yet (the first mount), as a new
 interpreter (the ``snapshotter`` command instead forks itself into the server: it has
 imported much of the server's code already), after which the fork server is started for the
 mounts that follow. ``mount``
 returns once that server reports the tree browsable (index verified, metadata sectors local,
 erofs mounted). Everything a later process needs to find and clean up a mount is recorded
-under ``config.state_dir`` (``snapshotter.state``), so ``unmount`` also works after the
+under ``config.state_dir`` (``snapshotter.mount.state``), so ``unmount`` also works after the
 server died (killed, crashed): it takes erofs down (lazily: users of a dead mount get EIO
 anyway), aborts and unmounts the FUSE file system and lets the loop device go.
 """
@@ -41,9 +41,9 @@ from typing import Any
 
 from imagetool.errors import ReferenceError_
 from imagetool.stores.refs import absolute_ref
-from snapshotter import control, forkserver, kernel, state
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
+from snapshotter.mount import control, forkserver, kernel, state
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def _start_server(
         except forkserver.ForkServerError as e:
             log.info("%s; starting the mount server as a new interpreter", e)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snapshotter.mountd", "--ready-fd", str(ready_fd)],
+        [sys.executable, "-m", "snapshotter.mount.server", "--ready-fd", str(ready_fd)],
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(ready_fd,),
         start_new_session=True, cwd="/",
     )  # fmt: skip
@@ -337,7 +337,7 @@ def run_foreground(
 ) -> int:
     """Serve a mount in this process (``snapshotter mount --foreground``, systemd units)
     until it is unmounted or signalled; ``on_ready`` gets the readiness document."""
-    from snapshotter import mountd
+    from snapshotter.mount import server as mountd
 
     mountpoint = Path(os.path.abspath(mountpoint))
     # libfuse's loop changes to / even in the foreground: relative paths are this one's.
@@ -442,7 +442,7 @@ def _live_record(mountpoint: Path, config: MountConfig) -> tuple[state.MountReco
 
 
 def stats(mountpoint: Path, config: MountConfig, timeout: float = 10.0) -> dict[str, Any]:
-    """The mount's statistics (see ``snapshotter.mountd.MountServer._stats``)."""
+    """The mount's statistics (see ``snapshotter.mount.server.MountServer._stats``)."""
     _, directory = _live_record(mountpoint, config)
     return control.request(directory / state.CONTROL_SOCKET, "stats", timeout)
 

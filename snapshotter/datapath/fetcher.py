@@ -22,9 +22,10 @@ store:
   job is promoted when an on-demand reader starts waiting on it, and prefetch work never
   holds more than ``max_parallel_prefetch`` workers.
 * **Read-ahead.** ``readahead(numbers)`` starts fetches without waiting for them (for a
-  sequential reader, ``snapshotter.reader``): they queue behind on-demand reads and ahead of
-  prefetch, are promoted when a reader starts waiting on them, and ``cancel_readahead``
-  drops those nobody waits on yet. Sectors already cached are only hinted to the kernel.
+  sequential reader, ``snapshotter.datapath.reader``): they queue behind on-demand reads and
+  ahead of prefetch, are promoted when a reader starts waiting on them, and
+  ``cancel_readahead`` drops those nobody waits on yet. Sectors already cached are only
+  hinted to the kernel.
 * **Verification.** Every stored sector goes through ``Index.decode_sector_into`` before it is
   cached or returned; a sector that fails is refetched (counting against ``retries``) and
   never served or cached.
@@ -54,7 +55,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import IntEnum
 
 from imagetool.errors import (
@@ -65,7 +65,9 @@ from imagetool.errors import (
 )
 from imagetool.format import Index, blob_range, coalesce
 from imagetool.stores.base import Store
-from snapshotter.cache import EntryBuffer, SectorCache
+from snapshotter.cache.entry import EntryBuffer
+from snapshotter.cache.sectors import SectorCache
+from snapshotter.config import FetchConfig
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
 from snapshotter.metrics import Counter, MountMetrics
 
@@ -89,65 +91,6 @@ class Priority(IntEnum):
     DEMAND = 0  # a reader (the FUSE file) is waiting
     READAHEAD = 1  # ahead of a sequential reader, who will want it soon
     PREFETCH = 2  # background warming
-
-
-@dataclass(frozen=True)
-class FetchConfig:
-    """How the fetcher talks to the store. Every field is per mount."""
-
-    max_parallel: int = 8
-    """Worker threads, hence store requests in flight at once (hung ones not counted)."""
-
-    max_parallel_prefetch: int = 2
-    """Of those, how many prefetch jobs may hold at once, so that on-demand reads always find
-    a free worker soon even while a prefetch runs."""
-
-    request_timeout: float = 10.0
-    """Seconds a ranged read may go without delivering a sector before it is abandoned and
-    retried (sectors arrive one by one as their bytes do). Generous: a sector is up to 4 MiB
-    over a possibly slow link."""
-
-    retries: int = 3
-    """Attempts after the first for one request (failed, timed out or not verifying)."""
-
-    backoff_base: float = 0.1
-    """Seconds; retry ``k`` (from 1) sleeps uniformly in ``[0, min(backoff_max,
-    backoff_base * 2**(k-1))]`` ("full jitter"), so retrying readers do not stampede."""
-
-    backoff_max: float = 2.0
-    """Upper bound of one backoff sleep, in seconds."""
-
-    deadline: float = 30.0
-    """Default total seconds a ``get`` may take when the caller passes no deadline; past it
-    the read fails with ``FetchTimeoutError`` (EIO) instead of hanging the application."""
-
-    max_request_bytes: int = 16 << 20
-    """Largest coalesced ranged read, in blob bytes (a single sector is never split), for
-    on-demand reads and read-ahead alike. Bigger requests amortise the store's per-request
-    cost and round trips (sectors are handed out as they arrive, so a big request does not
-    delay the first); smaller ones spread a sequential reader's window over more
-    connections."""
-
-    max_stuck_requests: int = 32
-    """Abandoned store calls (timed out, still running on their thread) tolerated at once;
-    beyond this, new requests fail immediately until some return."""
-
-    timeout_memory: float = 1.0
-    """Seconds after a sector's fetch missed a deadline during which its readers wait at most
-    ``RETRY_WAIT`` instead of a whole deadline, unless the store answers a request meanwhile;
-    meant for the kernel's immediate retries of a failed read. 0 turns it off."""
-
-    def __post_init__(self) -> None:
-        if self.timeout_memory < 0:
-            raise ValueError("timeout_memory must not be negative")
-        if self.max_parallel < 1 or not 0 <= self.max_parallel_prefetch <= self.max_parallel:
-            raise ValueError("need max_parallel >= 1 and 0 <= max_parallel_prefetch <= it")
-        if self.request_timeout <= 0 or self.deadline <= 0:
-            raise ValueError("request_timeout and deadline must be positive")
-        if self.retries < 0 or self.backoff_base < 0 or self.backoff_max < 0:
-            raise ValueError("retries and backoff must not be negative")
-        if self.max_request_bytes < 1 or self.max_stuck_requests < 0:
-            raise ValueError("max_request_bytes must be positive, max_stuck_requests >= 0")
 
 
 class _Job:

@@ -39,24 +39,17 @@ reads will say so themselves) the prefetcher gives up.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from imagetool.format import Index
+from snapshotter.config import PrefetchConfig, PrefetchMode
+from snapshotter.datapath.fetcher import Priority, SectorFetcher
 from snapshotter.errors import ClosedError, FetchError
-from snapshotter.fetcher import Priority, SectorFetcher
 
 log = logging.getLogger(__name__)
-
-
-class PrefetchMode(enum.Enum):
-    NONE = "none"  # nothing in the background
-    PROFILE = "profile"  # the index's prefetch list, then metadata
-    FULL = "full"  # ... then the whole image
 
 
 def plan(index: Index, mode: PrefetchMode) -> list[int]:
@@ -68,42 +61,6 @@ def plan(index: Index, mode: PrefetchMode) -> list[int]:
     if mode is PrefetchMode.FULL:
         order.update(dict.fromkeys(range(index.sector_count)))
     return [n for n in order if not index.sectors[n].is_zero]
-
-
-@dataclass(frozen=True)
-class PrefetchConfig:
-    """How one mount prefetches."""
-
-    mode: PrefetchMode = PrefetchMode.PROFILE
-    """What to fetch: see ``plan``."""
-
-    batch_sectors: int = 4
-    """Sectors asked for per fetcher call (adjacent ones become one request). Small, so an
-    on-demand request queued behind a batch waits little."""
-
-    bandwidth: int | None = None
-    """Cap on stored bytes fetched per second by the prefetcher; None for no cap."""
-
-    burst_bytes: int = 16 << 20
-    """Token bucket size: how far the prefetcher may run ahead of ``bandwidth`` after idling."""
-
-    batch_timeout: float = 120.0
-    """Seconds one batch may take before it counts as failed."""
-
-    max_failures: int = 3
-    """Consecutive failed batches after which the prefetcher gives up."""
-
-    max_cache_fraction: float = 0.5
-    """Stop after fetching this fraction of the cache's capacity (decoded bytes, as the
-    cache holds them)."""
-
-    def __post_init__(self) -> None:
-        if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
-            raise ValueError("batch_sectors, max_failures and batch_timeout must be positive")
-        if self.bandwidth is not None and self.bandwidth <= 0:
-            raise ValueError("bandwidth must be positive (or None for no cap)")
-        if self.burst_bytes < 0 or not 0 < self.max_cache_fraction <= 1:
-            raise ValueError("burst_bytes must be >= 0 and max_cache_fraction in (0, 1]")
 
 
 class TokenBucket:

@@ -1,11 +1,12 @@
 """Generate the Python gRPC stubs from this package's ``.proto`` files.
 
-Run at install time (``scripts/install-deps`` runs ``python -m snapshotter.proto.build``);
-the generated ``*_pb2*.py`` files are build outputs, ignored by git, never edited. The
-``.proto`` files import each other by their path from the repository root
-(``snapshotter/proto/mount.proto``), so the generated modules import each other as
-``snapshotter.proto.<name>_pb2`` and no top-level ``containerd`` package is needed. The
-protobuf *package* names stay containerd's, which is what the wire contract needs.
+Run at install time (``scripts/install-deps`` runs ``python -m
+snapshotter.containerd.proto.build``); the generated ``*_pb2*.py`` files are build outputs,
+ignored by git, never edited. The ``.proto`` files import each other by their path from the
+repository root (``snapshotter/containerd/proto/mount.proto``), so the generated modules
+import each other as ``snapshotter.containerd.proto.<name>_pb2`` and no top-level
+``containerd`` package is needed. The protobuf *package* names stay containerd's, which is
+what the wire contract needs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 PROTO_DIR = Path(__file__).resolve().parent
 # The directory that holds the ``snapshotter`` package: the proto import root.
-SOURCE_ROOT = PROTO_DIR.parent.parent
+SOURCE_ROOT = PROTO_DIR.parents[2]
 PROTOS = ("mount.proto", "snapshots.proto", "cri.proto")
 
 
@@ -55,7 +56,7 @@ def build() -> None:
         f"--python_out={SOURCE_ROOT}",
         f"--pyi_out={SOURCE_ROOT}",
         f"--grpc_python_out={SOURCE_ROOT}",
-        *(str(Path("snapshotter/proto") / p) for p in PROTOS),
+        *(str(Path("snapshotter/containerd/proto") / p) for p in PROTOS),
     ]
     code = protoc.main(args)
     if code != 0:

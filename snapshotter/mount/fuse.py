@@ -1,7 +1,7 @@
 """The FUSE adapter: a block image's uncompressed filesystem image as one read-only file.
 
 The FUSE file system has a root directory holding one regular file, ``image``; the kernel's
-erofs is mounted on that file (``snapshotter.kernel``), so FUSE only ever sees large reads of
+erofs is mounted on that file (``snapshotter.mount.kernel``), so FUSE only ever sees large reads of
 one immutable file, never a lookup storm of the image's own files. Each callback translates:
 one ``BlockReader.read_into`` per read, straight into libfuse's reply buffer (``_Fuse``), a
 ``SnapshotterError`` becomes its errno (EIO for fetch failures), anything unexpected becomes
@@ -42,9 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import Counter
-from snapshotter.reader import BlockReader
 
 # mfusepy picks "libfuse" (2) before "libfuse3" unless told; we need 3 (1 MiB reads).
 os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")

@@ -43,8 +43,8 @@ import time
 from collections import OrderedDict
 
 from imagetool.format import Index
+from snapshotter.datapath.fetcher import SectorBytes, SectorFetcher
 from snapshotter.errors import InvalidReadError
-from snapshotter.fetcher import SectorBytes, SectorFetcher
 
 # Decoded sectors kept in memory per reader: 8 x 4 MiB = 32 MiB, enough for a few readers
 # streaming different files at once without thrashing.

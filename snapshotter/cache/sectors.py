@@ -3,14 +3,9 @@
 An entry is one sector's *uncompressed* bytes, named by their xxh3-128 checksum. Naming by
 content means two images (or two tags of one image) that share a sector share its cache entry.
 Keeping sectors decoded makes a warm read one ``pread`` of the bytes asked for, not a
-whole-sector decompression.
-
-Entry file (layout ``v3``)::
-
-    [sector bytes][zeros to a 4 KiB boundary][trailer, ending on a 4 KiB boundary]
-    trailer = xxh3-64 of each VERIFY_BLOCK of the sector bytes, zeros, then the footer
-    footer  = magic, layout version, block size, sector bytes, trailer bytes,
-              the entry's checksum (its name), xxh3-64 of the trailer before this field
+whole-sector decompression. An entry file (layout ``v3``) is the sector's bytes and a
+trailer of block digests, laid out by ``snapshotter.cache.entry``; the directory's shared
+byte count is ``snapshotter.cache.usage``'s.
 
 Verification. No byte leaves the cache unverified, and an entry is never trusted because of
 where it lies. ``put`` takes only bytes that hash to the entry's name (or that its caller
@@ -58,7 +53,7 @@ the old file removed); ``gc()`` removes whatever of them is left.
 Several processes may share one directory (the node runs a mount server per mount): an
 entry another process wrote is found on disk and adopted, one it evicted is a miss. The cap
 holds for the directory as a whole: every process adds what it writes to, and takes what it
-deletes from, one counter in ``v3/usage`` (``_SharedUsage``); each evicts its own least
+deletes from, one counter in ``v3/usage`` (``SharedUsage``); each evicts its own least
 recently used entries to stay under the cap, and making room, writing the entry in place
 and counting it happen as one against other processes. One that cannot make room that way
 (the directory is full of entries it does not know) rescans the directory (``reconcile``):
@@ -78,7 +73,6 @@ puts and evictions wait for it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
@@ -86,7 +80,6 @@ import mmap
 import os
 import resource
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -99,6 +92,20 @@ import xxhash
 
 from imagetool.errors import ChecksumError
 from imagetool.format import decode_stored as format_decode_stored
+from snapshotter.cache.entry import (
+    ALIGN,
+    VERIFY_BLOCK,
+    EntryBuffer,
+    aligned,
+    block_digests,
+    check_checksum,
+    entry_trailer,
+    is_checksum,
+    parts_digests,
+    read_footer,
+    trailer_digests,
+)
+from snapshotter.cache.usage import SharedUsage, read_usage
 from snapshotter.errors import CacheError
 from snapshotter.metrics import CacheMetrics
 
@@ -108,21 +115,6 @@ LAYOUT_VERSION = "v3"
 # Older layouts, taken over when first wanted: v2 held a sector's decoded bytes alone (block
 # digests in memory only), v1 held them zstd-compressed.
 OLD_LAYOUTS = ("v2", "v1")
-# Granularity of the checks: a read checks the blocks that cover it, so it reads at most two
-# blocks' worth more than asked for (a 128 KiB read ~140 KiB); a digest costs 8 bytes a block,
-# 2 KiB per 4 MiB sector in the trailer and in the memory of each process using the entry.
-# (4 KiB blocks read nothing more for whole pages, 142-147 KiB per warm random read became
-# ~131, but warm random throughput did not move beyond noise: +6 % in one interleaved A/B,
-# -9 % in the next.) Entries written with another block size (the trailer says which) are
-# read as they are.
-VERIFY_BLOCK = 16 << 10
-# Entry files are laid out, written and read in units of this (the page size, a multiple of
-# every disk's logical block size): direct I/O needs offsets, lengths and buffers aligned.
-ALIGN = 4096
-_MAGIC = b"LZBKSECT"
-_TRAILER_VERSION = 3
-# magic, version, block size, sector bytes, trailer bytes, checksum (raw), xxh3-64 of the rest
-_FOOTER = struct.Struct("<8sIIQQ16sQ")
 # On-disk recency is refreshed at most this often per entry: an mtime update per read would
 # be a metadata write per FUSE request, and the restart order needs no finer clock.
 TOUCH_INTERVAL = 10.0
@@ -141,20 +133,12 @@ POOL_GRAIN = 64 << 10
 # A put that finds the disk full frees this much beyond its own size before retrying, so the
 # next few puts do not each hit ENOSPC (and pay for a failed write) again.
 ENOSPC_SLACK_BYTES = 8 << 20
-_HEX = frozenset("0123456789abcdef")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Opening the cache and gc() remove temporary files older than this; younger ones may belong
 # to a put running in this or another process (a put writes its file in milliseconds).
 STALE_WIP_SECONDS = 60.0
-# The directory's entry bytes, kept by every process that shares it (``_SharedUsage``).
+# The directory's entry bytes, kept by every process that shares it (``SharedUsage``).
 USAGE_FILE = "usage"
-
-
-def check_checksum(checksum: str) -> str:
-    """Validate a sector checksum (32 lowercase hex digits) used as a cache key."""
-    if not isinstance(checksum, str) or len(checksum) != 32 or not _HEX.issuperset(checksum):
-        raise ValueError(f"invalid sector checksum {checksum!r}")
-    return checksum
 
 
 def decode_stored(stored: bytes, checksum: str) -> bytes | None:
@@ -164,94 +148,6 @@ def decode_stored(stored: bytes, checksum: str) -> bytes | None:
         return format_decode_stored(stored, checksum)
     except ChecksumError:
         return None
-
-
-def block_digests(data: bytes | memoryview, block: int = VERIFY_BLOCK) -> bytes:
-    """xxh3-64 of each ``block``-byte block of ``data``, concatenated."""
-    view = memoryview(data)
-    digest = xxhash.xxh3_64_digest
-    return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
-
-
-def parts_digests(parts: list[memoryview], block: int = VERIFY_BLOCK) -> bytes:
-    """``block_digests`` of the concatenation of ``parts``, without concatenating them: a
-    block that spans parts is hashed incrementally."""
-    out = []
-    partial = None  # the hash of a block begun in an earlier part
-    filled = 0  # its bytes so far
-    for part in parts:
-        pos, n = 0, len(part)
-        if partial is not None:
-            pos = min(block - filled, n)
-            partial.update(part[:pos])
-            filled += pos
-            if filled == block:
-                out.append(partial.digest())
-                partial = None
-        while n - pos >= block:
-            out.append(xxhash.xxh3_64_digest(part[pos : pos + block]))
-            pos += block
-        if pos < n:
-            partial = xxhash.xxh3_64()
-            partial.update(part[pos:])
-            filled = n - pos
-    if partial is not None:
-        out.append(partial.digest())
-    return b"".join(out)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def entry_trailer(checksum: str, size: int, digests: bytes, block: int = VERIFY_BLOCK) -> bytes:
-    """The trailer of the entry ``checksum`` whose ``size`` sector bytes have these block
-    digests: the digests, zeros, and the footer, ending on an ``ALIGN`` boundary."""
-    length = _aligned(len(digests) + _FOOTER.size)
-    head = digests + bytes(length - len(digests) - _FOOTER.size)
-    footer = _FOOTER.pack(_MAGIC, _TRAILER_VERSION, block, size, length, bytes.fromhex(checksum), 0)
-    body = head + footer[:-8]
-    return body + xxhash.xxh3_64_digest(body)
-
-
-def entry_file_size(size: int, block: int = VERIFY_BLOCK) -> int:
-    """Bytes on disk of the entry of a ``size``-byte sector (what counts against the cap)."""
-    return _aligned(size) + _aligned(-(-size // block) * 8 + _FOOTER.size)
-
-
-# A bytearray whose bytes are not zeroed first (``bytearray(n)`` writes n zeros; the sector
-# bytes are about to be written over them anyway).
-_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
-_new_bytearray.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
-_new_bytearray.restype = ctypes.py_object
-
-
-class EntryBuffer:
-    """Memory laid out as a cache entry: ``data`` (``size`` sector bytes, to be filled by
-    the caller) starts on an ``ALIGN`` boundary and the rest of the entry fits after it, so
-    ``SectorCache.put`` writes the entry from here with direct I/O, where other bytes are
-    first copied into an aligned buffer (a copy of every fetched sector). Freed with the
-    last reference to ``data`` (or to a view of it)."""
-
-    __slots__ = ("size", "data", "_entry")
-
-    def __init__(self, size: int) -> None:
-        total = entry_file_size(size)
-        raw = _new_bytearray(None, total + ALIGN)
-        start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
-        self.size = size
-        self._entry = memoryview(raw)[start : start + total]
-        self.data = self._entry[:size]
-
-    def entry(self, trailer: bytes) -> memoryview:
-        """The whole entry: the sector bytes, zeros to an ``ALIGN`` boundary, ``trailer``."""
-        start = _aligned(self.size)
-        total = start + len(trailer)
-        if total != len(self._entry):
-            raise ValueError(f"trailer of {len(trailer)} bytes for a {self.size}-byte entry")
-        self._entry[self.size : start] = bytes(start - self.size)
-        self._entry[start:total] = trailer
-        return self._entry
 
 
 class _File:
@@ -345,100 +241,6 @@ class _Buffers:
             old.close()
 
 
-class _SharedUsage:
-    """The bytes of entry files in a cache directory, as one counter in a file that every
-    process sharing the directory updates under ``flock``. A process that dies between a
-    write and its update, or counts an entry another one also counted, leaves it off by that
-    much until the next rescan (``set``).
-
-    The file holds the count and a hash of it. One that does not (cut short, damaged, just
-    created, or written by an older version) reads as unknown (None): updates leave it
-    unknown, and the cache rescans the directory, which sets it again."""
-
-    _RECORD = struct.Struct("<qQ")  # count, xxh3-64 of the count's 8 bytes
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self._lock = threading.RLock()  # flock excludes other processes, not other threads
-        self._depth = 0
-        self._owner: int | None = None  # the thread holding it
-
-    def add(self, delta: int) -> int | None:
-        """Add ``delta`` (negative: bytes deleted); returns the new total (None: unknown)."""
-        with self.held():
-            total = self._read()
-            if total is None:
-                return None
-            total = max(0, total + delta)
-            self._write(total)
-            return total
-
-    def set(self, total: int) -> None:
-        with self.held():
-            self._write(total)
-
-    def get(self) -> int | None:
-        with self.held():
-            return self._read()
-
-    def _read(self) -> int | None:
-        # One byte more than a record: a longer file is damaged too (as ``shared_usage``).
-        return usage_record(os.pread(self._fd, self._RECORD.size + 1, 0))
-
-    def _write(self, total: int) -> None:
-        os.pwrite(self._fd, usage_bytes(total), 0)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold the counter against every other process and thread (re-entrant): what is
-        checked against it and counted in it within stays consistent."""
-        with self._lock:
-            if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-                self._owner = threading.get_ident()
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def owned(self) -> bool:
-        """Whether the calling thread holds the counter."""
-        return self._owner == threading.get_ident()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.close(self._fd)
-
-
-def usage_bytes(total: int) -> bytes:
-    """A usage counter file's bytes for ``total`` (what ``usage_record`` reads)."""
-    check = xxhash.xxh3_64_intdigest(struct.pack("<q", total))
-    return _SharedUsage._RECORD.pack(total, check)
-
-
-def usage_record(raw: bytes) -> int | None:
-    """The count in a usage counter file's bytes; None if they are not a whole, intact
-    record."""
-    if len(raw) != _SharedUsage._RECORD.size:
-        return None
-    total, check = _SharedUsage._RECORD.unpack(raw)
-    return total if check == xxhash.xxh3_64_intdigest(raw[:8]) and total >= 0 else None
-
-
-def shared_usage(root: os.PathLike[str] | str) -> int | None:
-    """The directory-wide count of a cache's entry bytes, as its processes keep it (None:
-    unknown until a cache opened on it rescans)."""
-    try:
-        with open(os.path.join(root, LAYOUT_VERSION, USAGE_FILE), "rb") as f:
-            return usage_record(f.read(_SharedUsage._RECORD.size + 1))
-    except OSError:
-        return None
-
-
 class SectorCache:
     """Sectors' uncompressed bytes on disk, keyed by checksum, LRU-bounded to ``max_bytes``
     of entry files."""
@@ -465,7 +267,7 @@ class SectorCache:
         self._buffers = _Buffers(POOL_BYTES)
         try:
             self._wip.mkdir(parents=True, exist_ok=True)
-            self._shared = _SharedUsage(self._dir / USAGE_FILE)
+            self._shared = SharedUsage(self._dir / USAGE_FILE)
         except OSError as e:
             raise CacheError(f"cannot create sector cache at {self._dir}: {e}") from e
         self._load()
@@ -593,7 +395,7 @@ class SectorCache:
             return False
         digests = block_digests(data)
         trailer = entry_trailer(checksum, len(data), digests)
-        total = _aligned(len(data)) + len(trailer)
+        total = aligned(len(data)) + len(trailer)
         with self._changing():
             if checksum in self._entries:
                 self._touch(checksum)
@@ -723,39 +525,20 @@ class SectorCache:
             if len(tail) != ALIGN:
                 self._corrupt(checksum, file, "short read of its trailer")
                 return None
-            magic, version, block, size, length, name, _ = _FOOTER.unpack_from(
-                tail, ALIGN - _FOOTER.size
-            )
-            if (
-                magic == _MAGIC
-                and version == _TRAILER_VERSION
-                and length % ALIGN == 0
-                and _aligned(size) + length == file_size
-                and length > ALIGN
-            ):
-                tail = self._pread(file, length, file_size - length)
+            footer = read_footer(tail)
+            if footer is not None and footer.fits(file_size) and footer.length > ALIGN:
+                tail = self._pread(file, footer.length, file_size - footer.length)
         except OSError as e:  # evicted meanwhile, or removed behind our back
             return self._lost(checksum, e)
-        count = -(-size // block) if block > 0 else -1
-        why = None
-        if magic != _MAGIC or version != _TRAILER_VERSION:
-            why = "no trailer"
-        elif (
-            length % ALIGN
-            or _aligned(size) + length != file_size
-            or block <= 0
-            or block % ALIGN
-            or count * 8 + _FOOTER.size > length
-        ):
-            why = f"trailer does not fit the file ({size} + {length} bytes of {file_size})"
-        elif xxhash.xxh3_64_digest(tail[:-8]) != tail[-8:]:
-            why = "trailer checksum mismatch"
-        elif name.hex() != checksum:
-            why = f"it is entry {name.hex()}"
-        if why is not None:
-            self._corrupt(checksum, file, why)
+        digests = (
+            "no trailer"
+            if footer is None
+            else trailer_digests(footer, tail[-footer.length :], file_size, checksum)
+        )
+        if isinstance(digests, str):
+            self._corrupt(checksum, file, digests)
             return None
-        verified = _Verified(size, block, bytes(tail[: count * 8]), 0.0)
+        verified = _Verified(footer.size, footer.block, digests, 0.0)
         with self._lock:
             if checksum in self._entries:
                 verified = self._verified.setdefault(checksum, verified)
@@ -797,7 +580,7 @@ class SectorCache:
         against its digest, and copy the range into ``out`` (returning b"") or return it
         (``out`` None). None if the entry is gone or damaged (then forgotten)."""
         lo, hi, expected = verified.covering(offset, end)
-        want = _aligned(hi - lo)
+        want = aligned(hi - lo)
         buf = self._buffers.take(want)
         view = memoryview(buf)
         try:
@@ -998,7 +781,7 @@ class SectorCache:
                 self._write_entry(fd, data.entry(trailer))
             else:
                 size = len(data)
-                start = _aligned(size)
+                start = aligned(size)
                 total = start + len(trailer)
                 buf = self._buffers.take(total)
                 view = memoryview(buf)
@@ -1068,7 +851,7 @@ class SectorCache:
                 continue
             for f in sub.iterdir():
                 name = f.name
-                if len(name) != 32 or not _HEX.issuperset(name) or name[:2] != sub.name:
+                if not is_checksum(name) or name[:2] != sub.name:
                     log.warning("sector cache: ignoring stray file %s", f)
                     continue
                 try:
@@ -1169,6 +952,12 @@ def cache_entries(
             pass
     out.sort(key=lambda e: e[2])
     return out
+
+
+def shared_usage(root: os.PathLike[str] | str) -> int | None:
+    """The directory-wide count of a cache's entry bytes, as its processes keep it (None:
+    unknown until a cache opened on it rescans)."""
+    return read_usage(os.path.join(root, LAYOUT_VERSION, USAGE_FILE))
 
 
 def cache_usage(root: os.PathLike[str] | str) -> tuple[int, int]:

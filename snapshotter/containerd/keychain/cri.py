@@ -28,23 +28,25 @@ node rebooted) needs the node's docker config until the kubelet pulls the image 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import logging
 import threading
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+
+from imagetool.registry.auth import decode_auth
+from imagetool.stores.refs import registry_host, split_image_ref
+from snapshotter.containerd.proto import load_cri
 
 log = logging.getLogger(__name__)
 
 SERVICE = "runtime.v1.ImageService"
 PULL_IMAGE = f"/{SERVICE}/PullImage"
-DEFAULT_CONTAINERD_ADDRESS = Path("/run/containerd/containerd.sock")
-_DOCKER_HUB_HOSTS = frozenset({"docker.io", "registry-1.docker.io", "index.docker.io"})
 # containerd's own gRPC limit: ListImages on a node with many images is large.
 MAX_MESSAGE = 16 << 20
 _MESSAGE_OPTIONS = [
@@ -68,26 +70,15 @@ class Secret:
         return (self.username, self.password)
 
 
-def _host_of(address: str) -> str:
-    """``https://host:5000/v1/`` or ``host:5000`` -> ``host:5000`` (docker hub: one name)."""
-    if "://" in address:
-        address = address.split("://", 1)[1]
-    host = address.split("/", 1)[0]
-    return "registry-1.docker.io" if host in _DOCKER_HUB_HOSTS else host
-
-
 def secret_from_auth(auth: Any) -> Secret | None:
     """An ``AuthConfig`` message -> ``Secret``, None when it carries nothing usable."""
     if auth.username:
         return Secret(auth.username, auth.password)
     if auth.auth:
         try:
-            user, sep, password = base64.b64decode(auth.auth, validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+            return Secret(*decode_auth(auth.auth))
+        except ValueError:
             raise KeychainError("AuthConfig.auth is not base64 of user:password") from None
-        if not sep:
-            raise KeychainError("AuthConfig.auth is not base64 of user:password")
-        return Secret(user, password)
     return None
 
 
@@ -101,13 +92,11 @@ class Keychain:
     def record(self, image: str, auth: Any) -> tuple[tuple[str, str], Secret | None] | None:
         """Remember the credentials of a pull of ``image``. Returns what ``undo`` needs to
         put the previous ones back, or None when nothing was recorded."""
-        from snapshotter.remote import split_image_ref
-
         host, repository = split_image_ref(image)
-        if auth.server_address and _host_of(auth.server_address) != _host_of(host):
+        if auth.server_address and registry_host(auth.server_address) != registry_host(host):
             log.warning(
                 "CRI pull of %s: credentials are for %s, not %s; not used for its mounts",
-                image, _host_of(auth.server_address), host,
+                image, registry_host(auth.server_address), host,
             )  # fmt: skip
             return None
         secret = secret_from_auth(auth)
@@ -118,7 +107,7 @@ class Keychain:
                     "its mounts use the node's docker config", image,
                 )  # fmt: skip
             return None
-        key = (_host_of(host), repository)
+        key = (registry_host(host), repository)
         with self._lock:
             previous = self._secrets.get(key)
             self._secrets[key] = secret
@@ -136,7 +125,7 @@ class Keychain:
     def lookup(self, host: str, repository: str) -> tuple[str, str] | None:
         """(username, password) last recorded for ``host/repository``, or None."""
         with self._lock:
-            secret = self._secrets.get((_host_of(host), repository))
+            secret = self._secrets.get((registry_host(host), repository))
         return secret.as_tuple() if secret else None
 
 
@@ -151,8 +140,6 @@ class ImageServiceProxy(grpc.GenericRpcHandler):
     """``runtime.v1.ImageService`` forwarded to containerd, reading PullImage's credentials."""
 
     def __init__(self, keychain: Keychain, backend: Path) -> None:
-        from snapshotter.proto import load_cri
-
         self.keychain = keychain
         self.backend = backend
         self.cri = load_cri()
@@ -185,8 +172,6 @@ class ImageServiceProxy(grpc.GenericRpcHandler):
             raise  # abort raises; for type checkers
 
     def _pull(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
-        from google.protobuf.message import DecodeError
-
         try:
             pull = self.cri.PullImageRequest.FromString(request)
         except DecodeError:
@@ -212,8 +197,6 @@ def start_image_service(
     address: Path, keychain: Keychain, backend: Path, workers: int
 ) -> tuple[grpc.Server, ImageServiceProxy]:
     """A started gRPC server on unix socket ``address`` serving the proxy."""
-    from concurrent import futures
-
     address.parent.mkdir(parents=True, exist_ok=True)
     if address.is_socket() or address.exists():
         address.unlink()

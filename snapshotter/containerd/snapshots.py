@@ -144,7 +144,7 @@ class Usage:
 
 
 class RemoteMounter(Protocol):
-    """Mounts block images for remote snapshots (``snapshotter.remote`` implements it)."""
+    """Mounts block images for remote snapshots (``mounter.MountBackend`` is the one)."""
 
     def mount(self, ref: str, mountpoint: Path) -> None: ...
 

@@ -8,7 +8,7 @@ later ones come from the heap, whose top is given back to the kernel whenever mo
 twice the block size is free there. A cold sequential pass over a 2 GiB image so faulted in
 ~100,000 new pages (~400 MB), each zeroed by the kernel and, on a VM whose host takes back
 free guest memory (free page reporting), first faulted in by the host. So a mount server
-(``snapshotter.mountd``, ``tune``):
+(``snapshotter.mount.server``, ``tune``):
 
 * uses ``ARENAS`` arenas (each keeps freed memory of its own; ~200 MB left after a pass
   instead of ~250, no slower);

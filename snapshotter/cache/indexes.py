@@ -5,7 +5,7 @@ as good as the original *once its bytes are checked against the digest*, which `
 does every time: a damaged, truncated or replaced entry is a logged miss, deleted, and the
 index is fetched again. Nothing here is trusted for being on disk.
 
-Layout, beside the sector cache's (``snapshotter.cache``) in the node's cache directory::
+Layout, beside the sector cache's (``snapshotter.cache.sectors``) in the node's cache directory::
 
     indexes/sha256-<hex>     the index bytes
     indexes/.tmp-*           being written (renamed into place, so readers see all or none)

@@ -1,0 +1,5 @@
+"""``python -m snapshotter``: the ``snapshotter`` command."""
+
+from snapshotter.cli import main
+
+main()
