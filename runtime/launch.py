@@ -8,7 +8,7 @@ loopback port; the *front* owns the public port and does three things:
   batch of completions succeeded (kernels loaded, CUDA graphs captured, caches touched), and
   503 again as soon as draining starts;
 * every other path is proxied to the engine unchanged, streaming included, on the router's
-  data path (``serving.proxy``): the hop costs ~0.1 ms of CPU per request, not milliseconds
+  data path (``serving.wire.proxy``): the hop costs ~0.1 ms of CPU per request, not milliseconds
   (``benchmarks/runtime/front.py``).
 
 Without the front (vLLM owning the public port, e.g. to save the hop), the same duties fall to
@@ -56,8 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from serving.http1 import RequestHead
-from serving.proxy import ClientConn, Dispatcher, Pool, local_response
+from serving.wire import ClientConn, Dispatcher, Pool, RequestHead, local_response
 
 from .errors import LaunchError
 
@@ -340,8 +339,8 @@ def running_engine(cfg: ServeConfig, *, stdout=None) -> Iterator[RunningEngine]:
 
 class Front(Dispatcher):
     """The public port: health, readiness and drain answered here, everything else proxied to
-    the engine on ``serving.proxy``'s data path (the router's: raw asyncio protocols, keep-alive
-    pool, streaming pass-through; ~0.1 ms of CPU per request)."""
+    the engine on ``serving.wire``'s data path (the router's: raw asyncio protocols,
+    keep-alive pool, streaming pass-through; ~0.1 ms of CPU per request)."""
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -357,7 +356,7 @@ class Front(Dispatcher):
         self.server: asyncio.Server | None = None
         self.stopped: asyncio.Event | None = None
 
-    # ---- serving.proxy.Dispatcher --------------------------------------------------------
+    # ---- serving.wire.proxy.Dispatcher --------------------------------------------------------
     def dispatch(self, conn: ClientConn, req: RequestHead, body: bytes) -> None:
         path = req.path
         if path == b"/health":

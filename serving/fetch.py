@@ -3,7 +3,7 @@
 The router reads every backend's ``/metrics`` twice a second. Through aiohttp each read cost
 about 1-2 ms of CPU on the benchmark machine (request and response objects, a task, timers),
 some 10% of the router's CPU at 2,000 requests/s with 4 backends. This asks the same question
-on a raw asyncio Protocol with :mod:`serving.http1`'s framing: one write, the response head
+on a raw asyncio Protocol with :mod:`serving.wire.http1`'s framing: one write, the response head
 parsed, the body collected (Content-Length, chunked or until close), the connection kept for
 the next read. A failure closes the connection; the next read opens a new one.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from serving.errors import ProtocolError
-from serving.http1 import MAX_HEAD, ChunkedScanner, parse_response_head
+from serving.wire.http1 import MAX_HEAD, ChunkedScanner, parse_response_head
 
 #: the largest body accepted (a vLLM /metrics page is tens of KiB)
 MAX_BODY = 8 * 1024 * 1024

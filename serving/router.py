@@ -1,8 +1,8 @@
 """The router: a stateless reverse proxy for OpenAI-style requests, P2C on in-flight load.
 
 HTTP stack
-    The proxy path is raw asyncio Protocols on uvloop (:mod:`serving.proxy`) with a small
-    HTTP/1.1 framer of our own (:mod:`serving.http1`): keep-alive on both sides, pooled
+    The proxy path is raw asyncio Protocols on uvloop (:mod:`serving.wire.proxy`) with a small
+    HTTP/1.1 framer of our own (:mod:`serving.wire.http1`): keep-alive on both sides, pooled
     backend connections, Content-Length and chunked bodies, responses streamed through as
     they arrive (server-sent events untouched). aiohttp, which this used to be built on, cost
     0.6-0.8 ms of CPU per proxied request on the benchmark machine (client and server request
@@ -70,9 +70,9 @@ from serving.balancer import Backend, Balancer, BalancerConfig, begin_report, re
 from serving.discovery import follow_eds
 from serving.endpoints import Endpoint, normalize_url
 from serving.fetch import FetchError, Getter
-from serving.http1 import RequestHead, ResponseHead
 from serving.promtext import vllm_load
-from serving.proxy import ClientConn, Dispatcher, Pool, local_response
+from serving.wire.http1 import RequestHead, ResponseHead
+from serving.wire.proxy import ClientConn, Dispatcher, Pool, local_response
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class Router(Dispatcher):
         finally:
             getter.close()
 
-    # -- the data path's questions (serving.proxy.Dispatcher) ---------------------------------
+    # -- the data path's questions (serving.wire.proxy.Dispatcher) ---------------------------------
 
     def dispatch(self, conn: ClientConn, req: RequestHead, body: bytes) -> None:
         path = req.path

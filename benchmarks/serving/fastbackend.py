@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from serving.errors import ProtocolError  # noqa: E402
-from serving.http1 import parse_request_head  # noqa: E402
+from serving.wire.http1 import parse_request_head  # noqa: E402
 
 ANSWER = json.dumps(
     {

@@ -1,0 +1,16 @@
+"""containerd's proxy snapshotter: the ``snapshotter serve`` daemon.
+
+* ``daemon``: the daemon from start to stop (restarts leave mounts alive);
+* ``service``: containerd's snapshots API over gRPC, translated to the store;
+* ``snapshots``: ``SnapshotStore``, snapshot metadata in SQLite, overlayfs layers;
+* ``layers``: which Prepare names a lazyblock layer (containerd's labels, the manifest);
+* ``handshake``: committing that layer as a remote snapshot so containerd skips its
+  download, and remounting what a reboot or a killed server lost;
+* ``mounter``: mounting those images through ``snapshotter.mount``, with credentials;
+* ``keychain``: credentials of pulls (``cri``: the kubelet's, through a CRI image service
+  proxy) and of the node (``dockerconfig``: docker configs and Kubernetes secrets);
+* ``proto``: the ``.proto`` files and their generated stubs.
+
+May import ``snapshotter.mount`` and everything it may, and imagetool's ``format``,
+``errors``, ``stores`` and ``registry``; nothing of the CLI.
+"""

@@ -1,0 +1,15 @@
+"""One lazy mount of a block image, and the process that serves it.
+
+* ``api``: ``mount``, ``unmount``, ``stats``, ``list_mounts``, ``profile``: what the CLI
+  and the containerd side call;
+* ``server``: the mount server, one long-lived process per mounted image (index, metadata,
+  FUSE, erofs, prefetch, control socket);
+* ``forkserver``: a pre-imported parent that forks mount servers in milliseconds;
+* ``state`` (mount records on disk), ``control`` (the server's control socket);
+* ``fuse``: the image as one read-only FUSE file, reads answered by the data path;
+* ``kernel``: the kernel's erofs on that file (loop device or file-backed), and unmounting;
+* ``memory``: the server's use of glibc's allocator.
+
+May import ``snapshotter.datapath``, ``snapshotter.cache``, the leaves and imagetool's
+``format``, ``errors``, ``stores`` and ``registry``; nothing of containerd or the CLI.
+"""

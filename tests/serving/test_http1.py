@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serving.errors import ProtocolError
-from serving.http1 import ChunkedScanner, parse_request_head, parse_response_head
+from serving.wire.http1 import ChunkedScanner, parse_request_head, parse_response_head
 
 
 def req(*lines: str) -> bytes:

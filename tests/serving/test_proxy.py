@@ -18,8 +18,8 @@ import pytest
 from servinghelp import run
 from support import free_port, wait_port
 
-from serving.http1 import parse_request_head
 from serving.router import Router, RouterConfig
+from serving.wire.http1 import parse_request_head
 
 pytestmark = pytest.mark.integration
 

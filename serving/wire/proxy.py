@@ -2,7 +2,7 @@
 
 This module owns the bytes of a proxied exchange; the router (:mod:`serving.router`) owns the
 decisions around it (which backend, what counts as a failure, metrics), reached through the
-small :class:`Dispatcher` interface. Message framing is :mod:`serving.http1`'s.
+small :class:`Dispatcher` interface. Message framing is :mod:`serving.wire.http1`'s.
 
 One exchange, step by step
     1. :class:`ClientConn` reads a request head and its body (Content-Length or chunked) into
@@ -46,7 +46,7 @@ from http import HTTPStatus
 from time import monotonic
 
 from serving.errors import ProtocolError
-from serving.http1 import (
+from serving.wire.http1 import (
     MAX_HEAD,
     ChunkedScanner,
     RequestHead,

@@ -1,7 +1,7 @@
 """HTTP/1.1 message framing for the router's proxy path (RFC 9112), and nothing more.
 
 This module owns how the router reads message heads and finds where message bodies end. It
-does no I/O: the protocols in :mod:`serving.proxy` feed it bytes.
+does no I/O: the protocols in :mod:`serving.wire.proxy` feed it bytes.
 
 What it does
     * Request heads: request line, header fields, body framing (``Content-Length`` or
