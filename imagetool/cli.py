@@ -1,7 +1,8 @@
 """The ``imagetool`` command line: options become config objects, errors become exit codes.
 
-Exit codes: 0 success, 1 a check failed (verify), 2 usage error, 3 any imagetool error
-(message on one line: ``imagetool: error: <Type>: <message>``), 130 interrupted.
+Exit codes are every lazyblock command's (``lazyblock.cli``): 0 success, 1 a check failed
+(verify), 2 usage error, 3 any imagetool error (one line: ``imagetool: error: <Type>:
+<message>``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ from types import FrameType
 import click
 
 from imagetool.errors import ImageToolError
+from lazyblock.cli import EXIT_CHECK_FAILED, ToolGroup
 
 log = logging.getLogger("imagetool")
-
-EXIT_CHECK_FAILED = 1
-EXIT_ERROR = 3
-EXIT_INTERRUPTED = 130
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
@@ -58,7 +56,7 @@ def _store_options(ctx: click.Context):  # noqa: ANN202
     return StoreOptions(plain_http=obj.get("plain_http", False), timeout=obj.get("timeout", 30.0))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("imagetool", cls=ToolGroup, errors=(ImageToolError,))
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 @click.option(
     "--plain-http", is_flag=True, help="Talk to registries over plain HTTP (loopback tests only)."
@@ -356,35 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     # us as a background job with it ignored.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _interrupt)
-    try:
-        cli.main(args=argv, prog_name="imagetool", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.Abort:
-        click.echo("imagetool: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
-        click.echo("imagetool: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except ImageToolError as e:
-        click.echo(f"imagetool: error: {type(e).__name__.rstrip('_')}: {_one_line(e)}", err=True)
-        sys.exit(EXIT_ERROR)
-    except BrokenPipeError:
-        sys.exit(0)
-    except OSError as e:  # local files: missing, unreadable, disk full
-        click.echo(f"imagetool: error: {type(e).__name__}: {_one_line(e)}", err=True)
-        sys.exit(EXIT_ERROR)
+    cli.main(args=argv)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -94,9 +94,9 @@ def convert(
     check_sector_size(options.sector_size)
     ref = parse_ref(dest)
     if ref.digest:
-        from imagetool.errors import ReferenceError_
+        from imagetool.errors import InvalidReferenceError
 
-        raise ReferenceError_(f"destination must name a tag, not a digest: {dest}")
+        raise InvalidReferenceError(f"destination must name a tag, not a digest: {dest}")
     with (
         open_store(ref, options.store) as store,
         open_source(source_spec, platform=options.platform, options=options.store) as source,

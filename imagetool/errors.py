@@ -8,7 +8,7 @@
     ├── FormatError (ValueError)          a block image index that is malformed or unsupported
     │   └── ErofsError                    a malformed or unsupported EROFS image
     ├── ChecksumError                     a sector whose bytes do not match the index
-    ├── ReferenceError_ (ValueError)      a store or image reference that cannot be parsed
+    ├── InvalidReferenceError (ValueError) a store or image reference that cannot be parsed
     └── StoreError                        a store failed (I/O, network, refused)
         ├── NotFoundError (KeyError)      a blob, tag or image that does not exist
         ├── AuthError                     the store refused our credentials
@@ -48,7 +48,7 @@ class ChecksumError(ImageToolError):
     """A sector's bytes do not match the checksum recorded in the index."""
 
 
-class ReferenceError_(ImageToolError, ValueError):  # noqa: N801 - avoid shadowing builtin
+class InvalidReferenceError(ImageToolError, ValueError):
     """An image or store reference that cannot be parsed."""
 
 

@@ -1,7 +1,8 @@
 """``runtime`` command line: options become config objects; errors become text and exit codes.
 
-Exit codes: 0 success; 1 the quality gate failed (``evaluate``) or the server stopped on an
-error (``serve``); 2 bad usage or a runtime error (``Type: message`` on stderr).
+Exit codes are every lazyblock command's (``lazyblock.cli``): 0 success; 1 the quality gate
+failed (``evaluate``) or the server stopped on an error (``serve``); 2 bad usage; 3 a
+runtime error (``runtime: error: <Type>: <message>`` on stderr); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import click
 
+from lazyblock.cli import EXIT_CHECK_FAILED, ToolGroup
+
 from .errors import RuntimeToolError
 
 log = logging.getLogger("runtime")
@@ -25,16 +28,7 @@ _existing_dir = click.Path(path_type=Path, exists=True, file_okay=False)
 _PYTHON_HELP = "Interpreter that has vLLM (default: this one, else runtime/.venv-vllm)."
 
 
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except RuntimeToolError as e:
-            click.echo(f"{type(e).__name__}: {e}", err=True)
-            sys.exit(2)
-
-
-@click.group(cls=_Group)
+@click.group("runtime", cls=ToolGroup, errors=(RuntimeToolError,))
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 def main(verbose: int) -> None:
     """lazyblock runtime: FP8 quantization, quality gate and vLLM launcher."""
@@ -170,7 +164,7 @@ def evaluate(
         return
     for f in r.failures:
         click.echo(f"FAIL: {f}")
-    sys.exit(1)
+    sys.exit(EXIT_CHECK_FAILED)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

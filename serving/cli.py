@@ -1,7 +1,8 @@
 """``serving``: the router, the EDS, the autoscaler, and all of them at once (``serving up``).
 
 Options become frozen config objects here and nowhere else; errors derived from
-``ServingError`` become ``Type: message`` and exit code 1.
+``ServingError`` become one line, ``serving: error: <Type>: <message>``, and exit code 3, as
+in every lazyblock command (``lazyblock.cli``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import asyncio
 import logging
 import multiprocessing
 import signal
-import sys
 from collections.abc import Awaitable, Callable
 
 import click
 from aiohttp import web
 
+from lazyblock.cli import ToolGroup
 from serving.autoscaler import (
     Autoscaler,
     KubeDeploymentActuator,
@@ -70,16 +71,7 @@ def _run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(wrapper())
 
 
-class _Group(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except ServingError as e:
-            click.echo(f"{type(e).__name__}: {e}", err=True)
-            sys.exit(1)
-
-
-@click.group(cls=_Group)
+@click.group("serving", cls=ToolGroup, errors=(ServingError,))
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 def main(verbose: int) -> None:
     """lazyblock serving: EDS, router and autoscaler for vLLM pods."""

@@ -4,8 +4,9 @@ Every command reads the configuration file (``--config``, default
 ``/etc/lazyblock/config.toml``); every key in it can be overridden with
 ``--set section.key=value`` and the common ones have their own flags.
 
-Exit codes: 0 success, 2 usage error, 3 any snapshotter or imagetool error (one line:
-``snapshotter: error: <Type>: <message>``), 130 interrupted.
+Exit codes are every lazyblock command's (``lazyblock.cli``): 0 success, 2 usage error, 3
+any snapshotter or imagetool error (one line: ``snapshotter: error: <Type>: <message>``),
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ from typing import Any
 import click
 
 from imagetool.errors import ImageToolError
+from lazyblock.cli import ToolGroup
 from snapshotter import systemd
 from snapshotter.errors import SnapshotterError
 
 log = logging.getLogger("snapshotter")
-
-EXIT_ERROR = 3
-EXIT_INTERRUPTED = 130
 
 
 def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,7 +79,7 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("snapshotter", cls=ToolGroup, errors=(SnapshotterError, ImageToolError))
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 @click.version_option(package_name="lazyblock")
 @click.pass_context
@@ -302,24 +301,7 @@ def main() -> None:
     from snapshotter.startup import skip_unused_imports
 
     skip_unused_imports()
-    try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("snapshotter: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("snapshotter: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except (SnapshotterError, ImageToolError) as e:
-        msg = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"snapshotter: error: {type(e).__name__}: {msg}", err=True)
-        sys.exit(EXIT_ERROR)
-    except OSError as e:
-        click.echo(f"snapshotter: error: {type(e).__name__}: {e}", err=True)
-        sys.exit(EXIT_ERROR)
+    cli.main()
 
 
 if __name__ == "__main__":

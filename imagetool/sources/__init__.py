@@ -9,7 +9,7 @@ uncompressed tar and verifies it against its digests as it goes.
 Errors (all from ``imagetool.errors``): a malformed source is ``InvalidSourceError`` (with
 ``DigestMismatchError`` and ``UnsupportedMediaTypeError`` below it); a path, tag or platform
 that does not exist is ``NotFoundError``; a blob an image refers to but its source lacks is
-``MissingBlobError``, which is both; an unparsable spec is ``ReferenceError_``.
+``MissingBlobError``, which is both; an unparsable spec is ``InvalidReferenceError``.
 """
 
 from imagetool.sources._image import Layer, MissingBlobError, SourceImage, default_platform

@@ -21,9 +21,9 @@ from typing import Any, BinaryIO
 
 from imagetool.errors import (
     DigestMismatchError,
+    InvalidReferenceError,
     InvalidSourceError,
     NotFoundError,
-    ReferenceError_,
     UnsupportedMediaTypeError,
 )
 from imagetool.sources import _media
@@ -121,7 +121,7 @@ class Platform:
         """``os/arch[/variant]``; architecture aliases (x86_64, aarch64) are normalised."""
         parts = text.strip().lower().split("/")
         if len(parts) not in (2, 3) or not all(parts):
-            raise ReferenceError_(f"invalid platform {text!r}: expected os/arch[/variant]")
+            raise InvalidReferenceError(f"invalid platform {text!r}: expected os/arch[/variant]")
         return cls.of(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
 
     @classmethod

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import BinaryIO
 
-from imagetool.errors import InvalidSourceError, NotFoundError, ReferenceError_
+from imagetool.errors import InvalidReferenceError, InvalidSourceError, NotFoundError
 from imagetool.registry.client import RegistryClient
 from imagetool.sources import _media
 from imagetool.sources._image import (
@@ -45,22 +45,30 @@ def parse_registry_spec(rest: str, spec: str) -> tuple[str, str, str]:
     """``HOST[:PORT]/REPO[:TAG|@DIGEST]`` -> (host, repository, tag or digest)."""
     host, sep, path = rest.partition("/")
     if not sep or not _HOST.match(host) or not path:
-        raise ReferenceError_(f"invalid registry source {spec!r}: expected HOST[:PORT]/REPO[:TAG]")
+        raise InvalidReferenceError(
+            f"invalid registry source {spec!r}: expected HOST[:PORT]/REPO[:TAG]"
+        )
     if "@" in path:
         path, _, reference = path.partition("@")
         if not _DIGEST.match(reference):
-            raise ReferenceError_(f"invalid registry source {spec!r}: bad digest {reference!r}")
+            raise InvalidReferenceError(
+                f"invalid registry source {spec!r}: bad digest {reference!r}"
+            )
         repo = path.rpartition(":")[0] if ":" in path.rpartition("/")[2] else path
     else:
         last = path.rpartition("/")[2]
         if ":" in last:
             repo, _, reference = path.rpartition(":")
             if not _TAG.match(reference):
-                raise ReferenceError_(f"invalid registry source {spec!r}: bad tag {reference!r}")
+                raise InvalidReferenceError(
+                    f"invalid registry source {spec!r}: bad tag {reference!r}"
+                )
         else:
             repo, reference = path, DEFAULT_TAG
     if not _REPO.match(repo):
-        raise ReferenceError_(f"invalid registry source {spec!r}: bad repository name {repo!r}")
+        raise InvalidReferenceError(
+            f"invalid registry source {spec!r}: bad repository name {repo!r}"
+        )
     return host, repo, reference
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imagetool.errors import ReferenceError_
+from imagetool.errors import InvalidReferenceError
 from imagetool.sources._image import Platform, SourceImage
 from imagetool.stores.base import StoreOptions
 
@@ -24,7 +24,7 @@ def open_source(
         Platform.parse(platform)  # fail early on a malformed platform
     transport, sep, rest = spec.partition(":")
     if not sep or not rest:
-        raise ReferenceError_(f"invalid source {spec!r}: expected one of {SPEC_FORMS}")
+        raise InvalidReferenceError(f"invalid source {spec!r}: expected one of {SPEC_FORMS}")
     if transport == "oci":
         from imagetool.sources._layout import OciLayoutSource, split_layout_spec
 
@@ -40,4 +40,4 @@ def open_source(
 
         host, repo, reference = parse_registry_spec(rest[2:], spec)
         return RegistrySource(host, repo, reference, platform, options, spec)
-    raise ReferenceError_(f"invalid source {spec!r}: expected one of {SPEC_FORMS}")
+    raise InvalidReferenceError(f"invalid source {spec!r}: expected one of {SPEC_FORMS}")

@@ -10,7 +10,7 @@ name; ``Store.resolve_ref`` turns the reference's tag or digest into an index di
 
 from __future__ import annotations
 
-from imagetool.errors import ReferenceError_
+from imagetool.errors import InvalidReferenceError
 from imagetool.stores.base import Store, StoreOptions
 from imagetool.stores.refs import DEFAULT_TAG, ImageRef, absolute_ref, parse_ref
 
@@ -44,7 +44,7 @@ def open_store(ref: ImageRef | str, options: StoreOptions | None = None) -> Stor
 
         return RegistryStore(url.removeprefix("docker://"), ref.name, options)
     if "://" in url:
-        raise ReferenceError_(f"unknown store {url!r}")
+        raise InvalidReferenceError(f"unknown store {url!r}")
     from imagetool.stores.dir import DirStore
 
     return DirStore(url, ref.name)

@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from imagetool.errors import ReferenceError_
+from imagetool.errors import InvalidReferenceError
 
 DEFAULT_TAG = "latest"
 
@@ -77,7 +77,7 @@ class ImageRef:
 
 def check_name_component(name: str, text: str = "") -> str:
     if not _NAME_COMPONENT.fullmatch(name):
-        raise ReferenceError_(
+        raise InvalidReferenceError(
             f"invalid image name {name!r}{_in(text)}: use lowercase letters, digits and "
             "single '.', '_' or '-' separators"
         )
@@ -86,7 +86,7 @@ def check_name_component(name: str, text: str = "") -> str:
 
 def check_tag(tag: str, text: str = "") -> str:
     if not _TAG.fullmatch(tag):
-        raise ReferenceError_(
+        raise InvalidReferenceError(
             f"invalid tag {tag!r}{_in(text)}: up to 128 letters, digits, '_', '.' or '-', "
             "not starting with '.' or '-'"
         )
@@ -94,18 +94,18 @@ def check_tag(tag: str, text: str = "") -> str:
 
 
 def parse_ref(text: str) -> ImageRef:
-    """Parse an image reference; ``ReferenceError_`` with a one-line message if malformed."""
+    """Parse an image reference; ``InvalidReferenceError`` with a one-line message if malformed."""
     if not isinstance(text, str) or not text.strip():
-        raise ReferenceError_("empty image reference")
+        raise InvalidReferenceError("empty image reference")
     if any(c.isspace() for c in text):
-        raise ReferenceError_(f"image reference {text!r} contains whitespace")
+        raise InvalidReferenceError(f"image reference {text!r} contains whitespace")
     scheme, sep, rest = text.partition("://")
     if not sep:
         return _parse_dir(text, text)
     if scheme == "file":
         host, slash, path = rest.partition("/")
         if host not in ("", "localhost") or not slash:
-            raise ReferenceError_(
+            raise InvalidReferenceError(
                 f"file reference {text!r} must be file:///absolute/path/NAME[:TAG]"
             )
         return _parse_dir("/" + path, text)
@@ -113,7 +113,7 @@ def parse_ref(text: str) -> ImageRef:
         return _parse_s3(rest, text)
     if scheme == "docker":
         return _parse_docker(rest, text)
-    raise ReferenceError_(
+    raise InvalidReferenceError(
         f"unknown store scheme {scheme!r} in {text!r} (use a path, file://, s3:// or docker://)"
     )
 
@@ -121,7 +121,7 @@ def parse_ref(text: str) -> ImageRef:
 def absolute_ref(text: str) -> str:
     """``text`` with a relative directory store made absolute (against the current
     directory), for a reference handed to a process that may run elsewhere (a mount's
-    server); any other reference is returned as it is. ``ReferenceError_`` if malformed."""
+    server); any other reference is returned as it is. ``InvalidReferenceError`` if malformed."""
     ref = parse_ref(text)
     if ref.scheme != SCHEME_DIR or os.path.isabs(ref.store_url):
         return text
@@ -163,7 +163,7 @@ def _split_tag_digest(last: str, text: str) -> tuple[str, str | None, str | None
     name, at, digest = last.partition("@")
     if at:
         if not _DIGEST.fullmatch(digest):
-            raise ReferenceError_(
+            raise InvalidReferenceError(
                 f"invalid digest {digest!r} in {text!r}: expected sha256:<64 hex>"
             )
     name, colon, tag = name.partition(":")
@@ -178,7 +178,9 @@ def _split_tag_digest(last: str, text: str) -> tuple[str, str | None, str | None
 def _parse_dir(path: str, text: str) -> ImageRef:
     store, slash, last = path.rpartition("/")
     if not slash or not last:
-        raise ReferenceError_(f"reference {text!r} names no store: use /path/to/store/NAME[:TAG]")
+        raise InvalidReferenceError(
+            f"reference {text!r} names no store: use /path/to/store/NAME[:TAG]"
+        )
     name, tag, digest = _split_tag_digest(last, text)
     check_name_component(name, text)
     return ImageRef(store or "/", name, tag, digest)
@@ -187,12 +189,14 @@ def _parse_dir(path: str, text: str) -> ImageRef:
 def _parse_s3(rest: str, text: str) -> ImageRef:
     parts = rest.split("/")
     if len(parts) < 2 or not parts[-1]:
-        raise ReferenceError_(f"S3 reference {text!r} must be s3://BUCKET[/PREFIX]/NAME[:TAG]")
+        raise InvalidReferenceError(
+            f"S3 reference {text!r} must be s3://BUCKET[/PREFIX]/NAME[:TAG]"
+        )
     bucket, prefix, last = parts[0], parts[1:-1], parts[-1]
     if not _BUCKET.fullmatch(bucket):
-        raise ReferenceError_(f"invalid S3 bucket name {bucket!r} in {text!r}")
+        raise InvalidReferenceError(f"invalid S3 bucket name {bucket!r} in {text!r}")
     if any(p in ("", ".", "..") for p in prefix):
-        raise ReferenceError_(f"empty or relative prefix component in {text!r}")
+        raise InvalidReferenceError(f"empty or relative prefix component in {text!r}")
     name, tag, digest = _split_tag_digest(last, text)
     check_name_component(name, text)
     store = "s3://" + "/".join([bucket, *prefix])
@@ -202,11 +206,11 @@ def _parse_s3(rest: str, text: str) -> ImageRef:
 def _parse_docker(rest: str, text: str) -> ImageRef:
     host, slash, path = rest.partition("/")
     if not slash or not host or not path:
-        raise ReferenceError_(
+        raise InvalidReferenceError(
             f"registry reference {text!r} must be docker://HOST[:PORT]/REPOSITORY[:TAG]"
         )
     if not _HOST.fullmatch(host):
-        raise ReferenceError_(f"invalid registry host {host!r} in {text!r}")
+        raise InvalidReferenceError(f"invalid registry host {host!r} in {text!r}")
     components = path.split("/")
     repo_components, last = components[:-1], components[-1]
     name, tag, digest = _split_tag_digest(last, text)
@@ -214,7 +218,7 @@ def _parse_docker(rest: str, text: str) -> ImageRef:
         check_name_component(c, text)
     repository = "/".join([*repo_components, name])
     if len(repository) > 255:
-        raise ReferenceError_(f"repository name in {text!r} is longer than 255 characters")
+        raise InvalidReferenceError(f"repository name in {text!r} is longer than 255 characters")
     return ImageRef(f"docker://{host}", repository, tag, digest)
 
 

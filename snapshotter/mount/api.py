@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imagetool.errors import ReferenceError_
+from imagetool.errors import InvalidReferenceError
 from imagetool.stores.refs import absolute_ref
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
@@ -318,8 +318,10 @@ def _absolute(ref: str, mountpoint: Path) -> str:
     """``ref`` with a relative directory store made absolute (``absolute_ref``)."""
     try:
         return absolute_ref(ref)
-    except ReferenceError_ as e:
-        raise MountError(f"cannot mount {ref} at {mountpoint}: ReferenceError_: {e}") from None
+    except InvalidReferenceError as e:
+        raise MountError(
+            f"cannot mount {ref} at {mountpoint}: InvalidReferenceError: {e}"
+        ) from None
 
 
 def _log_tail(path: Path, lines: int = 3) -> str:

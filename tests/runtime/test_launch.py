@@ -303,4 +303,4 @@ def test_warm_up_command_for_an_engine_we_did_not_start(tmp_path: Path) -> None:
         engine.terminate()
         engine.wait()
     r = CliRunner().invoke(main, ["warm-up", url, "--timeout", "0.5"])
-    assert r.exit_code == 2 and "LaunchError: engine not healthy" in r.output, r.output
+    assert r.exit_code == 3 and "runtime: error: LaunchError: engine not healthy" in r.output

@@ -100,7 +100,7 @@ def test_cli_evaluate_exit_codes(tiny_model: Path, damaged: Path, tmp_path: Path
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     r = runner.invoke(main, ["evaluate", str(tiny_model), str(tiny_model), "--data", str(bad)])
-    assert r.exit_code == 2 and "EvaluationError" in r.output
+    assert r.exit_code == 3 and "runtime: error: EvaluationError" in r.output
 
 
 def test_fp8_scheme_matches_written_config(tiny_fp8: Path) -> None:

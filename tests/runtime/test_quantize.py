@@ -127,5 +127,5 @@ def test_cli_quantize(tiny_model: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "Linear layers in FP8" in r.output
     r = runner.invoke(main, ["quantize", str(tiny_model), str(out), "--keep-precision", "nope"])
-    assert r.exit_code == 2
-    assert "QuantizationError" in r.output
+    assert r.exit_code == 3
+    assert "runtime: error: QuantizationError" in r.output

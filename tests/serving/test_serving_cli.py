@@ -18,11 +18,11 @@ from serving.cli import main
 
 def test_bad_options_become_messages():
     r = CliRunner().invoke(main, ["router", "--listen", "nope"])
-    assert r.exit_code == 1 and "ConfigError: expected HOST:PORT" in r.output
+    assert r.exit_code == 3 and "serving: error: ConfigError: expected HOST:PORT" in r.output
     r = CliRunner().invoke(main, ["router", "--listen", "127.0.0.1:1"])
-    assert r.exit_code == 1 and "give --backends or --eds" in r.output
+    assert r.exit_code == 3 and "give --backends or --eds" in r.output
     r = CliRunner().invoke(main, ["eds", "--listen", "127.0.0.1:1"])
-    assert r.exit_code == 1 and "exactly one of" in r.output
+    assert r.exit_code == 3 and "exactly one of" in r.output
 
 
 def _complete(port: int) -> tuple[int, str | None]:

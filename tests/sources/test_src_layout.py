@@ -16,9 +16,9 @@ from srcutil import flatten, read_layers
 from imagetool.errors import (
     DigestMismatchError,
     ImageToolError,
+    InvalidReferenceError,
     InvalidSourceError,
     NotFoundError,
-    ReferenceError_,
     UnsupportedMediaTypeError,
 )
 from imagetool.sources import Layer, MissingBlobError, SourceImage, open_source
@@ -192,7 +192,7 @@ def test_single_image_explicit_platform_must_match(tmp_path: Path) -> None:
 @pytest.mark.parametrize("platform", ["amd64", "linux/", "a/b/c/d"])
 def test_bad_platform(tmp_path: Path, platform: str) -> None:
     one_layer(tmp_path / "img")
-    with pytest.raises(ReferenceError_):
+    with pytest.raises(InvalidReferenceError):
         open_source(f"oci:{tmp_path / 'img'}", platform=platform)
 
 
@@ -446,7 +446,7 @@ def test_hostile_digest_is_not_a_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("spec", ["", "oci", "oci:", "tar:/x", "docker:/x", "/some/path"])
 def test_bad_specs(spec: str) -> None:
-    with pytest.raises(ReferenceError_):
+    with pytest.raises(InvalidReferenceError):
         open_source(spec)
 
 

@@ -11,7 +11,7 @@ import pytest
 from ocibuild import TarEntry, make_layer_tar
 from srcutil import flatten, read_layers
 
-from imagetool.errors import DigestMismatchError, NotFoundError, ReferenceError_
+from imagetool.errors import DigestMismatchError, InvalidReferenceError, NotFoundError
 from imagetool.sources import MissingBlobError, open_source
 from imagetool.sources._registry import parse_registry_spec
 from imagetool.stores.base import StoreOptions
@@ -104,5 +104,5 @@ def test_parse_registry_spec(rest: str, expected: tuple[str, str, str]) -> None:
     "rest", ["", "hostonly", "h/", "h/UPPER", "h/app:bad tag", "h/app@sha256:123", "h/a//b"]
 )
 def test_bad_registry_specs(rest: str) -> None:
-    with pytest.raises(ReferenceError_):
+    with pytest.raises(InvalidReferenceError):
         open_source(f"docker://{rest}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from imagetool.errors import NotFoundError, ReferenceError_
+from imagetool.errors import InvalidReferenceError, NotFoundError
 from imagetool.format import BLOB_MEDIA_TYPE
 from imagetool.stores import ImageRef, StoreOptions, absolute_ref, open_store, parse_ref
 from imagetool.stores.dir import DirStore
@@ -78,7 +78,7 @@ def test_parse_ref(text: str, expected: ImageRef) -> None:
     ],
 )
 def test_parse_ref_rejects(text: str) -> None:
-    with pytest.raises(ReferenceError_) as e:
+    with pytest.raises(InvalidReferenceError) as e:
         parse_ref(text)
     assert "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)
@@ -122,7 +122,7 @@ def test_absolute_ref_anchors_only_relative_directory_stores(tmp_path: Path, mon
     assert absolute_ref(f"store/app@{D}") == f"{tmp_path}/store/app@{D}"
     for text in ("/srv/app", "file:///srv/app", "s3://bucket/app:v1", "docker://h:5000/a/app"):
         assert absolute_ref(text) == text  # as written
-    with pytest.raises(ReferenceError_):
+    with pytest.raises(InvalidReferenceError):
         absolute_ref("store/app:bad tag")
 
 
