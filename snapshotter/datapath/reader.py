@@ -279,11 +279,8 @@ class BlockReader:
                 first = (stream.end - 1) // sector_size + 1
                 last = min(self.index.sector_count, first + self.readahead_sectors)
                 # Ask again once a third of the window has been consumed: runs long enough
-                # for requests that amortise the store's per-request cost. (Half, with the
-                # default 12-sector window, made 30 % fewer requests and saved the loopback
-                # registry ~15 % of its CPU, but over a shaped 4 Gbit/s link, with fewer
-                # requests in flight, cold sequential reads were slower: 218-338 MB/s
-                # against 295-313.)
+                # to amortise the store's per-request cost, with enough requests in flight
+                # to fill a fast link (benchmarks/mount/results/README.md, "Design notes").
                 if last - stream.ahead_to >= max(1, self.readahead_sectors // 3):
                     ahead = (max(first, stream.ahead_to), last)
                     if stream.ahead_to < first:

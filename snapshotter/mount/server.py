@@ -117,7 +117,7 @@ class MountServer:
 
     def start(self) -> None:
         cfg = self.config
-        t0 = time.monotonic()
+        phases = _Phases()
         # From the caller's request to here: a new interpreter's start and imports, or a fork.
         launched = time.time() - self.sent_at if self.sent_at is not None else None
         if not self.mountpoint.is_dir():
@@ -133,15 +133,15 @@ class MountServer:
 
         ref = parse_ref(self.ref)
         self.store = open_store(ref, cfg.store)
-        ts = time.monotonic()
+        phases.done("store_open")  # the store client's imports, its TLS context
         self.index_digest = self.store.resolve_ref(ref)
-        tr = time.monotonic()
+        phases.done("resolve")
         self.index = self._load_index()
         blob_size = _Task("lazyblock-blob-size", self.store.blob_size, self.index.blob_digest)
-        t1 = time.monotonic()
+        phases.done("index_read")  # read (or taken from the node) and verified
 
-        self.cache = opening.result(t0 + cfg.mount_timeout)
-        tc = time.monotonic()
+        self.cache = opening.result(phases.started + cfg.mount_timeout)
+        phases.done("cache_open")
         self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
         self.reader = BlockReader(
             self.index,
@@ -158,7 +158,7 @@ class MountServer:
             if blob_size.wait(1.0):  # "no such blob" says more
                 self._check_blob_size(blob_size.result(0.0))
             raise
-        t2 = time.monotonic()
+        phases.done("metadata")
 
         initialised = threading.Event()
         self.operations = fuse.BlockFile(self.reader, on_init=initialised.set)
@@ -170,25 +170,19 @@ class MountServer:
             if not self._fuse_thread.is_alive():
                 err = self._fuse_outcome.get("error")
                 raise MountServerError(f"FUSE server did not start: {err or 'exited'}")
-            if time.monotonic() - t0 > cfg.mount_timeout:
+            if phases.elapsed() > cfg.mount_timeout:
                 raise MountServerError("FUSE server did not start in time")
-        t3 = time.monotonic()
+        phases.done("fuse")
         st = os.stat(self.fuse_dir)
         self._fuse_device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
         self._attach()
         if cfg.kernel_read_ahead_kb:
             kernel.set_read_ahead(self.mountpoint, cfg.kernel_read_ahead_kb)
-        t4 = time.monotonic()
-        self._check_blob_size(blob_size.result(t0 + cfg.mount_timeout))
-        t5 = time.monotonic()
-        self._mount_seconds = {
-            "index": t1 - t0, "cache_open": tc - t1, "metadata": t2 - tc, "fuse": t3 - t2,
-            "kernel": t4 - t3, "blob_check": t5 - t4, "total": t5 - t0,
-            # the index phase in parts: opening the store (its client's imports, TLS
-            # context), resolving the reference, reading and verifying the index
-            "store_open": ts - t0, "resolve": tr - ts, "index_read": t1 - tr,
-        }  # fmt: skip
+        phases.done("kernel")
+        self._check_blob_size(blob_size.result(phases.started + cfg.mount_timeout))
+        phases.done("blob_check")
+        self._mount_seconds = phases.seconds()
         if launched is not None:
             self._mount_seconds["launch"] = launched
         self.control = ControlServer(
@@ -197,7 +191,7 @@ class MountServer:
         self._save("ready")
         log.info(
             "mounted %s (%s) at %s via %s in %.3fs",
-            self.ref, self.index_digest, self.mountpoint, self._backing, t5 - t0,
+            self.ref, self.index_digest, self.mountpoint, self._backing, phases.elapsed(),
         )  # fmt: skip
 
     def _load_index(self) -> Index:
@@ -370,6 +364,31 @@ class MountServer:
 
 class MountServerError(SnapshotterError):
     """The server could not set the mount up."""
+
+
+class _Phases:
+    """The steps of a mount, timed one after the other: ``done(name)`` ends the step that
+    began when the previous one ended. ``seconds()``: each step, ``index`` (the three
+    steps of getting the index: ``store_open``, ``resolve``, ``index_read``) and ``total``."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._last = self.started
+        self._seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self._seconds[name] = now - self._last
+        self._last = now
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def seconds(self) -> dict[str, float]:
+        out = dict(self._seconds)
+        out["index"] = sum(out.get(k, 0.0) for k in ("store_open", "resolve", "index_read"))
+        out["total"] = self._last - self.started
+        return out
 
 
 class _Task(Generic[T]):
