@@ -32,13 +32,16 @@ that beat reading whole entries ahead with direct I/O.
 
 Layout under ``root`` (the version lets a later layout live beside this one)::
 
-    v3/wip/<random>             entries being written (removed on open)
+    v3/wip/<random>             entries being written, allocated at their full size
+                                (counted against the cap; removed on open once stale)
     v3/<cc>/<checksum>          one entry; <cc> is the checksum's first two hex digits
 
 Writes go to ``wip/`` and are renamed into place, so readers see a whole entry or none. They
 are not fsynced: a crash can leave a renamed entry with lost or torn contents, which the
 first read of it detects and refetches, so a sync per sector would only buy back a refetch.
-The cache is bounded to ``max_bytes`` of entry files with least-recently-used eviction; the
+The cache is bounded to ``max_bytes`` of entry files, those being written included (room is
+made and counted, and the file allocated at its full size, before it is written), with
+least-recently-used eviction; the
 recency clock is the entry file's mtime, set when an entry is used (at most every
 ``TOUCH_INTERVAL`` seconds per entry), so the order survives restarts: opening a cache
 rebuilds its state from the directory. Entries *pinned* by an in-progress read are never
@@ -54,8 +57,9 @@ Several processes may share one directory (the node runs a mount server per moun
 entry another process wrote is found on disk and adopted, one it evicted is a miss. The cap
 holds for the directory as a whole: every process adds what it writes to, and takes what it
 deletes from, one counter in ``v3/usage`` (``SharedUsage``); each evicts its own least
-recently used entries to stay under the cap, and making room, writing the entry in place
-and counting it happen as one against other processes. One that cannot make room that way
+recently used entries to stay under the cap, and making room, allocating the entry's file
+and counting it happen as one against other processes (as do installing it, or giving the
+room back when its write fails). One that cannot make room that way
 (the directory is full of entries it does not know) rescans the directory (``reconcile``):
 it takes in the others' entries and evicts the least recently used of all, by their files'
 times. An entry another process is reading may be deleted: that read goes on from its open
@@ -256,6 +260,7 @@ class SectorCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> file bytes, LRU first
         self._usage = 0
+        self._reserved = 0  # bytes of entries this process is writing (counted in _usage)
         self._pins: _Multiset[str] = _Multiset()
         self._verified: dict[str, _Verified] = {}  # entries whose trailer this process checked
         self._files: OrderedDict[str, _File] = OrderedDict()  # open entries, LRU first
@@ -396,61 +401,108 @@ class SectorCache:
         digests = block_digests(data)
         trailer = entry_trailer(checksum, len(data), digests)
         total = aligned(len(data)) + len(trailer)
-        with self._changing():
-            if checksum in self._entries:
-                self._touch(checksum)
-                return True
-            if not self._make_room(total):
-                self.metrics.put_failures.inc()
-                log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, total)
-                return False
-            # Other processes' entries fill the directory, and this one knows too few of
-            # them to make the room: learn them all, and evict the least recently used.
-            directory = self._shared.get()
-            short = directory is None or directory + total > self.max_bytes
-        if short:
-            self._reconcile_for_room()
-        tmp = None
+        # Room is made and the entry counted before its file is written (``_reserve``), so
+        # the directory never holds more than the cap, entries being written included.
         for attempt in (1, 2):
-            try:
-                tmp = self._write_tmp(held, trailer)
-                break
-            except OSError as e:
-                if e.errno not in _DISK_FULL or attempt == 2:
+            with self._changing():
+                if checksum in self._entries:
+                    self._touch(checksum)
+                    return True
+                try:
+                    tmp = self._reserve(total)
+                except OSError as e:
                     self.metrics.put_failures.inc()
                     log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
                     return False
-                with self._changing():
-                    freed = self._evict(total + ENOSPC_SLACK_BYTES)
-                log.info("sector cache: disk full, evicted %d bytes and retrying", freed)
-        assert tmp is not None
+            if tmp is not None or attempt == 2:
+                break
+            # Other processes' entries fill the directory, and this one knows too few of
+            # them to make the room: learn them all, and evict the least recently used.
+            self._reconcile_for_room()
+        if tmp is None:
+            self.metrics.put_failures.inc()
+            log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, total)
+            return False
+        try:
+            self._write_tmp(tmp, held, trailer)
+        except OSError as e:
+            with self._changing():
+                self._release(tmp, total)
+            self.metrics.put_failures.inc()
+            log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
+            return False
         path = self._path(checksum)
-        # Making room, installing and counting the entry happen as one against other
-        # processes, so that two of them never both fill the same room.
+        # Installing the entry and handing its reservation to it happen as one against
+        # other processes.
         with self._changing():
             if checksum in self._entries:  # another thread won the race
-                _unlink(tmp)
+                self._release(tmp, total)
                 self._touch(checksum)
                 return True
-            self._make_room(total)  # others may have filled the room since we checked
             try:
                 path.parent.mkdir(exist_ok=True)
                 replaced = os.path.exists(path)  # another process's copy: counted already
                 os.replace(tmp, path)
             except OSError as e:
-                _unlink(tmp)
+                self._release(tmp, total)
                 self.metrics.put_failures.inc()
                 log.warning("sector cache: cannot install %s: %s; not cached", checksum, e)
                 return False
-            directory = self._shared.get() if replaced else self._shared.add(total)
+            self._reserved -= total
+            if replaced:
+                self._shared.add(-total)
             self._entries[checksum] = total
-            self._usage += total
             self._verified[checksum] = _Verified(len(data), VERIFY_BLOCK, digests, time.monotonic())
         self.metrics.puts.inc()
-        # Others wrote meanwhile, entries this one did not know (or the count was lost).
-        if directory is None or directory > self.max_bytes:
-            self._reconcile_for_room()
         return True
+
+    def _reserve(self, total: int) -> Path | None:
+        """Make room for an entry of ``total`` bytes, create its file in ``wip/`` at its full
+        size and count it, in this process and in the directory; None when there is no
+        room among the entries this process knows. Under ``_changing``. A disk that is full
+        although the count has room: evict a little more and try once more."""
+        if not self._make_room(total):
+            return None
+        directory = self._shared.get()
+        if directory is None or directory + total > self.max_bytes:
+            return None
+        for attempt in (1, 2):
+            fd, name = tempfile.mkstemp(dir=self._wip)
+            try:
+                self._allocate(fd, total)
+                break
+            except OSError as e:
+                _unlink(Path(name))
+                if e.errno not in _DISK_FULL or attempt == 2:
+                    raise
+                freed = self._evict(total + ENOSPC_SLACK_BYTES)
+                log.info("sector cache: disk full, evicted %d bytes and retrying", freed)
+            finally:
+                os.close(fd)
+        self._shared.add(total)
+        self._usage += total
+        self._reserved += total
+        return Path(name)
+
+    @staticmethod
+    def _allocate(fd: int, size: int) -> None:
+        """Give the new file ``fd`` its final ``size`` on disk now (the reservation a scan of
+        the directory, or ``du``, sees), or at least that length where the file system
+        cannot allocate ahead."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)
+
+    def _release(self, tmp: Path, total: int) -> None:
+        """Give up a reservation (``_reserve``): its file and its count. Under
+        ``_changing``."""
+        _unlink(tmp)
+        self._shared.add(-total)
+        self._usage -= total
+        self._reserved -= total
 
     @contextlib.contextmanager
     def pin(self, checksums: Iterable[str]) -> Iterator[None]:
@@ -772,10 +824,10 @@ class SectorCache:
 
     # --- internals: writes ----------------------------------------------------------------
 
-    def _write_tmp(self, data: bytes | memoryview | EntryBuffer, trailer: bytes) -> Path:
-        """Write an entry file (``data``, zeros to a page boundary, ``trailer``) in
-        ``wip/``; returns its path. Not fsynced: see the module's docstring."""
-        fd, name = tempfile.mkstemp(dir=self._wip)
+    def _write_tmp(self, tmp: Path, data: bytes | memoryview | EntryBuffer, trailer: bytes) -> None:
+        """Write an entry file (``data``, zeros to a page boundary, ``trailer``) into its
+        reserved file ``tmp`` in ``wip/``. Not fsynced: see the module's docstring."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
             if isinstance(data, EntryBuffer):
                 self._write_entry(fd, data.entry(trailer))
@@ -793,21 +845,17 @@ class SectorCache:
                 finally:
                     view.release()
                     self._buffers.give(buf)
-        except BaseException:
-            _unlink(Path(name))
-            raise
         finally:
             os.close(fd)
-        return Path(name)
 
     def _write_entry(self, fd: int, view: memoryview) -> None:
-        """All of ``view`` (a whole entry) to the new, empty file ``fd``: with direct I/O
-        where the file system takes it."""
+        """All of ``view`` (a whole entry) to the reserved file ``fd`` from its start: with
+        direct I/O where the file system takes it."""
         if not self._write_direct(fd, view):
             _write_all(fd, view)
 
     def _write_direct(self, fd: int, view: memoryview) -> bool:
-        """Write ``view`` (page-aligned, whole pages) to the new, empty file ``fd`` with
+        """Write ``view`` (page-aligned, whole pages) to the reserved file ``fd`` with
         O_DIRECT; False (nothing written) where the file system will not."""
         if not self._direct_write:
             return False
@@ -822,7 +870,6 @@ class SectorCache:
             self._direct_write = False
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             return False
         return True
@@ -837,14 +884,19 @@ class SectorCache:
             freed,
         )
 
-    def _scan(self) -> list[tuple[float, str, int]]:
-        """(last use, checksum, bytes) of every entry file, least recently used first;
-        removes stale temporary files."""
+    def _scan(self) -> tuple[list[tuple[float, str, int]], int]:
+        """(last use, checksum, bytes) of every entry file, least recently used first, and
+        the bytes of the entries being written (reserved at their full size); removes stale
+        temporary files."""
         now = time.time()
+        writing = 0
         for f in self._wip.iterdir():
             with contextlib.suppress(OSError):
-                if now - f.stat().st_mtime >= STALE_WIP_SECONDS:
+                st = f.stat()
+                if now - st.st_mtime >= STALE_WIP_SECONDS:
                     f.unlink()
+                else:
+                    writing += st.st_size
         found: list[tuple[float, str, int]] = []
         for sub in self._dir.iterdir():
             if sub.name == "wip" or not sub.is_dir():
@@ -860,7 +912,7 @@ class SectorCache:
                     continue
                 found.append((max(st.st_mtime, st.st_atime), name, st.st_size))
         found.sort()
-        return found
+        return found, writing
 
     # --- internals: the directory's cap, over all processes -------------------------------
 
@@ -884,16 +936,18 @@ class SectorCache:
         # runs when the cache is opened, on gc, and when a put cannot make room among the
         # entries it knows.
         with self._shared.held():
-            entries = OrderedDict((name, size) for _, name, size in self._scan())
+            found, writing = self._scan()
+            entries = OrderedDict((name, size) for _, name, size in found)
             usage = sum(entries.values())
             with self._lock:
                 for name in [k for k in self._entries if k not in entries]:
                     self._verified.pop(name, None)  # deleted by another process
                     self._files.pop(name, None)
                 self._entries = entries
-                self._usage = usage
-                self._shared.set(usage)
-                freed = self._evict(usage - self.max_bytes)
+                # Entries being written (this process's and others') count as written.
+                self._usage = usage + self._reserved
+                self._shared.set(usage + writing)
+                freed = self._evict(usage + writing - self.max_bytes)
         if freed:
             log.info("sector cache %s: evicted %d bytes to keep the directory under its cap",
                      self._dir, freed)  # fmt: skip
