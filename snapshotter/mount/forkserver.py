@@ -74,7 +74,7 @@ SERVER_NAME = b"lazyblock-fork"
 CHILD_NAME = b"lazyblock-mount"
 _PR_SET_NAME = 15
 # The packages whose source files are part of the context (a change means a new server).
-_PACKAGES = ("snapshotter", "imagetool")
+_PACKAGES = ("snapshotter", "imagetool", "lazyblock")
 _PROC_CONTEXT = ("ns/mnt", "ns/pid", "ns/user", "cgroup", "attr/current")
 # Lines of /proc/self/status that a forked server inherits.
 _STATUS_CONTEXT = ("Cap", "NoNewPrivs", "Seccomp")
@@ -129,8 +129,9 @@ def context_key() -> str:
 
 
 def _package_root() -> Path:
-    """Where this process imports lazyblock's ``snapshotter`` package from."""
-    return Path(__file__).resolve().parent
+    """Where this process imports lazyblock's ``snapshotter`` package from (this module is
+    ``snapshotter/mount/forkserver.py``)."""
+    return Path(__file__).resolve().parents[1]
 
 
 def socket_name(key: str) -> bytes:

@@ -52,3 +52,22 @@ def test_changed_code_path_or_limits_mean_another_fork_server(
 def test_socket_name_is_abstract_and_per_key() -> None:
     a, b = forkserver.socket_name("a" * 24), forkserver.socket_name("b" * 24)
     assert a.startswith(b"\0") and a != b
+
+
+def test_the_real_key_covers_the_snapshotter_package() -> None:
+    """Unpatched: the key is computed over the snapshotter package this process imports,
+    all its rooms included (a fork server keyed on the wrong directory would go on serving
+    mounts with code that has changed since it started)."""
+    import snapshotter
+    from snapshotter.datapath import fetcher
+
+    assert forkserver._package_root() == Path(snapshotter.__file__).resolve().parent
+    module = Path(fetcher.__file__)
+    st = module.stat()
+    before = forkserver.context_key()
+    try:
+        os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert forkserver.context_key() != before
+    finally:
+        os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert forkserver.context_key() == before
