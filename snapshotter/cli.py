@@ -196,6 +196,10 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 f"{f['inflight']}; prefetch {s['prefetch']['mode']} "
                 f"{s['prefetch']['fetched']}/{s['prefetch']['planned']}"
             )
+            click.echo(
+                f"  stalled on the network: {f['stall_late_seconds']:.2f}s for sectors asked "
+                f"for too late, {f['stall_missing_seconds']:.2f}s for sectors not asked for"
+            )
 
 
 def _ms(v: float | None) -> str:

@@ -35,6 +35,22 @@ class Counter:
         return self._value
 
 
+class Seconds:
+    """A monotonically increasing number of seconds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._value += seconds
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+
 class Gauge:
     """An integer that goes up and down (e.g. requests in flight)."""
 
@@ -147,6 +163,11 @@ class MountMetrics:
         self.inflight = Gauge()  # store requests running now
         self.queued = Gauge()  # coalesced requests waiting for a worker
         self.fetch_latency = Histogram()  # seconds per store request (successful ones)
+        # Stalls: seconds readers spent waiting on the network, by why the sector was not
+        # there yet. Late: it was being read ahead or prefetched (asked for too late);
+        # missing: nobody had asked for it before a reader did (no prefetch, or a wrong one).
+        self.stall_late_seconds = Seconds()
+        self.stall_missing_seconds = Seconds()
         # reader
         self.reads = Counter()  # read() calls
         self.read_bytes = Counter()  # bytes returned by read()
@@ -160,7 +181,7 @@ class MountMetrics:
         for name, m in vars(self).items():
             if isinstance(m, Histogram):
                 out[name] = m.snapshot()
-            elif isinstance(m, Counter | Gauge):
+            elif isinstance(m, Counter | Gauge | Seconds):
                 out[name] = m.value
         return out
 

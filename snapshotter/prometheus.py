@@ -12,7 +12,9 @@ Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``fetched_bytes_total``, ``store_requests_total``, ``cache_hits_total``,
 ``cache_misses_total``, ``cache_hit_ratio``, ``fetch_latency_seconds`` (histogram),
 ``errors_total{kind=fetch|store|checksum|read|prefetch}``, ``inflight_fetches``,
-``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``, ``cache_bytes``,
+``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``,
+``stall_seconds_total{why=late|missing}`` (seconds readers waited on the network, for
+sectors read ahead or prefetched too late / for sectors nobody had asked for), ``cache_bytes``,
 ``cache_entries``, ``cache_capacity_bytes``.
 """
 
@@ -89,6 +91,12 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     queued = GaugeMetricFamily(p + "queued_fetches", "Fetches waiting for a worker.",
                                labels=LABELS)  # fmt: skip
     errors = CounterMetricFamily(p + "errors", "Errors by kind.", labels=[*LABELS, "kind"])
+    stalls = CounterMetricFamily(
+        p + "stall_seconds",
+        "Seconds readers waited on the network: for sectors asked for too late (late) or "
+        "not asked for before they were needed (missing).",
+        labels=[*LABELS, "why"],
+    )
     latency = HistogramMetricFamily(
         p + "fetch_latency_seconds", "Seconds per successful store request.", labels=LABELS
     )
@@ -107,10 +115,12 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
             ("read", s["reads"]["errors"]),
         ):
             errors.add_metric([*labels, kind], value)
+        stalls.add_metric([*labels, "late"], f["stall_late_seconds"])
+        stalls.add_metric([*labels, "missing"], f["stall_missing_seconds"])
         h = f["fetch_latency"]
         buckets = [(_bound(b), c) for b, c in h["buckets"]]
         latency.add_metric(labels, buckets, sum_value=h["sum"])
-    yield from (ratio, inflight, queued, errors, latency)
+    yield from (ratio, inflight, queued, errors, stalls, latency)
 
     entries, used = cache_usage(config.cache_dir)
     for name, doc, value in (

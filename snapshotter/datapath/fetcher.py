@@ -96,11 +96,12 @@ class Priority(IntEnum):
 class _Job:
     """One coalesced ranged read: consecutive stored sectors of the blob."""
 
-    __slots__ = ("sectors", "priority", "deadline", "taken", "unwanted")
+    __slots__ = ("sectors", "priority", "origin", "deadline", "taken", "unwanted")
 
     def __init__(self, sectors: list[int], priority: Priority, deadline: float) -> None:
         self.sectors = sectors
         self.priority = priority
+        self.origin = priority  # who asked first (``priority`` rises as readers join)
         self.deadline = deadline  # the latest deadline of anyone waiting on it
         self.taken = False
         self.unwanted = priority == Priority.READAHEAD  # nobody waits on it (yet)
@@ -384,7 +385,11 @@ class SectorFetcher:
                         result[n] = data
                         remaining.discard(n)
                 for n, flight in waits.items():
-                    if not flight.done.wait(max(0.0, wait_deadline - time.monotonic())):
+                    waited = time.monotonic()
+                    done = flight.done.wait(max(0.0, wait_deadline - waited))
+                    if priority == Priority.DEMAND:
+                        self._stalled(flight, time.monotonic() - waited)
+                    if not done:
                         left = tuple(sorted(n for n in remaining if n not in result))
                         raise FetchTimeoutError(
                             f"sectors {_show(left)} not fetched before the deadline", left
@@ -398,6 +403,15 @@ class SectorFetcher:
                     result[n] = flight.data
                     remaining.discard(n)
         return result
+
+    def _stalled(self, flight: _Flight, seconds: float) -> None:
+        """A reader waited ``seconds`` on the network for ``flight``: for a sector read
+        ahead or prefetched that had not arrived yet (too late), or for one nobody had
+        asked for before a reader needed it (not prefetched at all)."""
+        if flight.job.origin == Priority.DEMAND:
+            self.metrics.stall_missing_seconds.add(seconds)
+        else:
+            self.metrics.stall_late_seconds.add(seconds)
 
     def _claim(
         self, remaining: set[int], tried_cache: set[int], deadline: float, priority: Priority

@@ -419,3 +419,25 @@ def test_sectors_with_the_same_content_are_fetched_once(
     # 11 and 12 hold sector 3's bytes: one flight for the content, not three
     assert fetcher.get([3, 11, 12]) == {n: image.sector(3) for n in (3, 11, 12)}
     assert store.requests == [blob_range(image.index, range(3, 4))]
+
+
+def test_stalls_are_counted_by_why_the_sector_was_not_there(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    """Seconds readers wait on the network: for a sector nobody had asked for (missing),
+    and for one read ahead or prefetched that had not arrived yet (late). Prefetch's own
+    waits are no reader's stall."""
+    fetcher = make_fetcher()
+    m = fetcher.metrics
+    store.before_read = lambda offset, length: time.sleep(0.2)
+    fetcher.get([1])
+    assert 0.15 < m.stall_missing_seconds.value < 5 and m.stall_late_seconds.value == 0
+    missing = m.stall_missing_seconds.value
+    assert fetcher.readahead([2]) == 1
+    fetcher.get([2])  # joins the read-ahead that is on its way
+    assert 0.05 < m.stall_late_seconds.value < 5
+    assert m.stall_missing_seconds.value == missing
+    late = m.stall_late_seconds.value
+    fetcher.get([4], priority=Priority.PREFETCH)
+    assert (m.stall_missing_seconds.value, m.stall_late_seconds.value) == (missing, late)
+    assert fetcher.metrics.snapshot()["stall_late_seconds"] == late
