@@ -231,8 +231,8 @@ class MountConfig:
 
     def absolute(self) -> MountConfig:
         """This configuration with its paths made absolute (against this process's
-        directory), for a server that works elsewhere: a forked one works in /, and so does
-        libfuse's loop, even in the foreground."""
+        directory), for a server that works elsewhere: a forked one works in /, and so does the
+        systemd unit's, and a path must not change meaning with the server's directory."""
         docker_config = self.store.docker_config
         return dataclasses.replace(
             self,

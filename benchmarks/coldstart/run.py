@@ -642,9 +642,6 @@ class Lazyblock:
         for mod in ("snapshotter.cli", "snapshotter.mount.api"):
             if importlib.util.find_spec(mod) is None:
                 return f"{mod} is not there yet"
-        for tool in ("fusermount3",):
-            if shutil.which(tool) is None and shutil.which("fusermount") is None:
-                return f"needs {tool}"
         if not Path("/dev/fuse").exists():
             return "needs /dev/fuse"
         return None

@@ -57,33 +57,6 @@ def block_digests(data: bytes | memoryview, block: int = VERIFY_BLOCK) -> bytes:
     return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
 
 
-def parts_digests(parts: list[memoryview], block: int = VERIFY_BLOCK) -> bytes:
-    """``block_digests`` of the concatenation of ``parts``, without concatenating them: a
-    block that spans parts is hashed incrementally."""
-    out = []
-    partial = None  # the hash of a block begun in an earlier part
-    filled = 0  # its bytes so far
-    for part in parts:
-        pos, n = 0, len(part)
-        if partial is not None:
-            pos = min(block - filled, n)
-            partial.update(part[:pos])
-            filled += pos
-            if filled == block:
-                out.append(partial.digest())
-                partial = None
-        while n - pos >= block:
-            out.append(xxhash.xxh3_64_digest(part[pos : pos + block]))
-            pos += block
-        if pos < n:
-            partial = xxhash.xxh3_64()
-            partial.update(part[pos:])
-            filled = n - pos
-    if partial is not None:
-        out.append(partial.digest())
-    return b"".join(out)
-
-
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

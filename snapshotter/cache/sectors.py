@@ -26,7 +26,7 @@ written as it is) where the file system allows it (not tmpfs): the kernel caches
 the image's pages once, in the erofs mount above the FUSE file; a second copy of the same
 bytes in the page cache of the entry files would double the memory a warm image takes and
 cost a page-cache fill per read (on a random read of a warm cache that fill was a fifth of
-the mount server's CPU). Reads of a sequential stream (``read_into(..., sequential=True)``)
+the mount server's CPU). Reads of a sequential stream (``read_view(..., sequential=True)``)
 go through the page cache, which ``will_need`` has the kernel fill ahead of them: measured,
 that beat reading whole entries ahead with direct I/O.
 
@@ -105,7 +105,6 @@ from snapshotter.cache.entry import (
     check_checksum,
     entry_trailer,
     is_checksum,
-    parts_digests,
     read_footer,
     trailer_digests,
 )
@@ -207,9 +206,8 @@ class _Verified:
 
 
 class _Buffers:
-    """Page-aligned buffers (private anonymous mappings) for direct I/O, reused. Not tied to
-    threads: libfuse's workers are C threads, whose Python thread state (and any
-    thread-local with it) lives only as long as one callback."""
+    """Page-aligned buffers (private anonymous mappings) for direct I/O, reused by whichever
+    thread reads next (a thread-local pool would keep one set per FUSE thread)."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
@@ -301,53 +299,52 @@ class SectorCache:
         if offset >= end:
             self._hit(checksum, verified)
             return b""
-        data = self._read_checked(checksum, verified, offset, end, None)
+        data = self._read_checked(checksum, verified, offset, end)
         if data is None:
             return None
         self._hit(checksum, verified)
         return data
 
-    def read_into(
+    def read_view(
         self,
         checksum: str,
         offset: int,
-        out: memoryview,
+        length: int,
+        scratch: memoryview,
         size: int | None = None,
         *,
         sequential: bool = False,
-    ) -> bool:
-        """Fill ``out`` with bytes ``[offset, offset+len(out))`` of the entry, verified (the
-        FUSE file's read path, which hands in the buffer libfuse replies from). Returns
-        False on a miss, a corrupt entry, an entry whose size is not ``size`` (when given)
-        or one too short for the range; ``out`` then holds garbage that must not be
-        served.
+    ) -> tuple[memoryview, int] | None:
+        """Bytes ``[offset, offset+length)`` of the entry, verified, read into ``scratch``
+        (page-aligned): a view of them there, and how many bytes of ``scratch`` (whole
+        pages) the read took. None on a miss, a corrupt entry, an entry whose size is not
+        ``size`` (when given), one too short for the range, or a ``scratch`` too small for
+        the blocks that cover it (``view_room``). The FUSE file answers with that view: no
+        copy of the bytes in this process.
 
         ``sequential``: the read is part of a sequential stream, which ``will_need`` has
-        had the kernel read ahead: read through the page cache, straight into ``out``.
-        Otherwise the blocks are read past the page cache (a random read would only fill
-        it with a second copy of what the mount above caches) into an aligned buffer, and
-        copied."""
+        had the kernel read ahead: read through the page cache. Otherwise the blocks are
+        read past it, with direct I/O (a random read would only fill the page cache with a
+        second copy of what the mount above caches)."""
         check_checksum(checksum)
-        if offset < 0:
-            raise ValueError(f"invalid cache read: offset {offset}")
-        end = offset + len(out)
+        if offset < 0 or length <= 0:
+            raise ValueError(f"invalid cache read: offset {offset}, length {length}")
+        end = offset + length
         verified = self._lookup(checksum)
         if verified is None or (size is not None and verified.size != size) or end > verified.size:
             self.metrics.misses.inc()
-            return False
-        if end > offset:
-            if sequential or not self._direct_read:
-                ok = self._read_buffered(checksum, verified, offset, out)
-            else:
-                ok = self._read_checked(checksum, verified, offset, end, out) is not None
-            if not ok:
-                return False
+            return None
+        lo, hi, _ = verified.covering(offset, end)
+        took = aligned(hi - lo)
+        if took > len(scratch) or not self._fill(checksum, verified, offset, end, scratch,
+                                                 sequential):  # fmt: skip
+            return None
         self._hit(checksum, verified)
-        return True
+        return scratch[offset - lo : end - lo], took
 
     def will_need(self, checksum: str) -> None:
         """The entry will be read sequentially soon: have the kernel start reading it into
-        the page cache (see ``read_into``'s ``sequential``)."""
+        the page cache (see ``read_view``'s ``sequential``)."""
         if self._lookup(check_checksum(checksum)) is None:
             return
         with contextlib.suppress(OSError):
@@ -626,52 +623,39 @@ class SectorCache:
         return os.preadv(file.fd, [view], offset)
 
     def _read_checked(
-        self, checksum: str, verified: _Verified, offset: int, end: int, out: memoryview | None
+        self, checksum: str, verified: _Verified, offset: int, end: int
     ) -> bytes | None:
-        """Read the blocks that cover ``[offset, end)`` into an aligned buffer, check each
-        against its digest, and copy the range into ``out`` (returning b"") or return it
-        (``out`` None). None if the entry is gone or damaged (then forgotten)."""
-        lo, hi, expected = verified.covering(offset, end)
-        want = aligned(hi - lo)
-        buf = self._buffers.take(want)
+        """Bytes ``[offset, end)`` of the entry, checked (``_fill`` into a pooled buffer)."""
+        lo, hi, _ = verified.covering(offset, end)
+        buf = self._buffers.take(aligned(hi - lo))
         view = memoryview(buf)
         try:
-            try:
-                file = self._open(checksum)
-                got = self._preadv(file, view[:want], lo)
-            except OSError as e:  # evicted meanwhile, or removed behind our back
-                return self._lost(checksum, e)
-            if got < hi - lo or block_digests(view[: hi - lo], verified.block) != expected:
-                self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
+            if not self._fill(checksum, verified, offset, end, view, False):
                 return None
-            if out is None:
-                return view[offset - lo : end - lo].tobytes()
-            out[:] = view[offset - lo : end - lo]
-            return b""
+            return view[offset - lo : end - lo].tobytes()
         finally:
             view.release()
             self._buffers.give(buf)
 
-    def _read_buffered(
-        self, checksum: str, verified: _Verified, offset: int, out: memoryview
-    ) -> bool:
-        """The blocks that cover the range, through the page cache in one preadv: the range
-        itself into ``out``, the edges of the first and last blocks into scratch; then each
-        block checked where it landed. False if the entry is gone or damaged."""
-        end = offset + len(out)
+    def _fill(
+        self, checksum: str, verified: _Verified, offset: int, end: int, into: memoryview,
+        sequential: bool,
+    ) -> bool:  # fmt: skip
+        """Read the blocks that cover ``[offset, end)`` into ``into`` (page-aligned, room
+        for them in whole pages) and check each against its digest: through the page cache
+        if ``sequential`` (or direct reads are refused), else with direct I/O. False if the
+        entry is gone or damaged (then forgotten)."""
         lo, hi, expected = verified.covering(offset, end)
-        parts: list[memoryview] = [out]
-        if offset > lo:
-            parts.insert(0, memoryview(bytearray(offset - lo)))
-        if hi > end:
-            parts.append(memoryview(bytearray(hi - end)))
         try:
             file = self._open(checksum)
-            got = os.preadv(file.buffered(), parts, lo)
+            if sequential or not self._direct_read:
+                got = os.preadv(file.buffered(), [into[: hi - lo]], lo)
+            else:
+                got = self._preadv(file, into[: aligned(hi - lo)], lo)
         except OSError as e:  # evicted meanwhile, or removed behind our back
             self._lost(checksum, e)
             return False
-        if got != hi - lo or parts_digests(parts, verified.block) != expected:
+        if got < hi - lo or block_digests(into[: hi - lo], verified.block) != expected:
             self._corrupt(checksum, file, f"blocks {lo}..{hi} do not match their digests")
             return False
         return True
@@ -980,6 +964,12 @@ def _unlink(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def view_room(length: int, block: int = VERIFY_BLOCK) -> int:
+    """The most ``scratch`` a ``read_view`` of ``length`` bytes takes: the blocks that cover
+    them, in whole pages."""
+    return aligned(length + 2 * block)
 
 
 def cache_entries(

@@ -249,20 +249,22 @@ class SectorFetcher:
             self.metrics.cache_hits.inc()
         return data
 
-    def read_cached_into(
-        self, n: int, offset: int, out: memoryview, *, sequential: bool = False
-    ) -> bool:
-        """``read_cached`` into ``out`` (``SectorCache.read_into``; ``sequential``: the read
-        is part of a stream this fetcher reads ahead): whether the cache held bytes
-        ``[offset, offset+len(out))`` of sector ``n`` and they are now in ``out``."""
+    def read_cached_view(
+        self, n: int, offset: int, length: int, scratch: memoryview, *, sequential: bool = False
+    ) -> tuple[memoryview, int] | None:
+        """Bytes ``[offset, offset+length)`` of sector ``n`` from the cache, read into
+        ``scratch`` (``SectorCache.read_view``: the view, and the scratch it took), or None.
+        Costs no request."""
         entry = self.index.sectors[n]
         if entry.is_zero:
-            return False
+            return None
         size = self.index.sector_span(n)[1]
-        if not self.cache.read_into(entry.checksum, offset, out, size, sequential=sequential):
-            return False
-        self.metrics.cache_hits.inc()
-        return True
+        got = self.cache.read_view(
+            entry.checksum, offset, length, scratch, size, sequential=sequential
+        )
+        if got is not None:
+            self.metrics.cache_hits.inc()
+        return got
 
     def on_fetched(self, callback: Callable[[int, SectorBytes], None]) -> None:
         """Call ``callback(n, data)`` with every sector fetched from the store and verified,

@@ -1,17 +1,19 @@
 """Byte-range reads over a block image's uncompressed filesystem image.
 
-``BlockReader.read_into(offset, buffer)`` is what the FUSE file's read callback calls (with
-libfuse's reply buffer; ``read(offset, length)`` returns ``bytes``). It maps the range to
-sectors and serves each piece, straight into its place in the buffer, from, in order:
+``BlockReader.read_parts(offset, length, scratch)`` is what the FUSE file answers a read
+with: views of memory whose concatenation is the range, which the FUSE thread writes to the
+kernel as they are (``read_into`` and ``read`` copy them into a buffer or ``bytes``). It maps
+the range to sectors and serves each piece, without copying it, from, in order:
 
 1. a small in-memory LRU of decoded sectors that were just fetched from the store (for this
    reader, or by read-ahead or prefetch; ``SectorFetcher.on_fetched``) or are all zeros, so
    the reads that follow a fetch do not even go to the disk cache (which writes entries past
    the page cache);
 2. the node's sector cache, which keeps sectors decoded: a read is one ``preadv`` of the
-   blocks that cover the bytes asked for, checked block by block (``SectorCache.read_into``):
-   past the page cache for a random read, through it, straight into the buffer, for a read
-   of a sequential stream, whose sectors the kernel has been asked to read ahead;
+   blocks that cover the bytes asked for into the caller's page-aligned ``scratch``, checked
+   block by block (``SectorCache.read_view``): past the page cache for a random read,
+   through it for a read of a sequential stream, whose sectors the kernel has been asked to
+   read ahead;
 3. the fetcher, asked for all the remaining sectors in one call (so adjacent misses are
    coalesced into one ranged read).
 
@@ -38,11 +40,13 @@ through the index's file map, which is what ``imagetool convert --profile`` lays
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections import OrderedDict
 
 from imagetool.format import Index
+from snapshotter.cache.sectors import view_room
 from snapshotter.datapath.fetcher import SectorBytes, SectorFetcher
 from snapshotter.errors import InvalidReadError
 
@@ -72,6 +76,11 @@ STREAM_MIN_SECTORS = 2
 # 128 KiB reads within one 64 MiB file read sectors ahead and had the disk read whole cache
 # entries: 0.7-4 ms per read (median) instead of 0.45-0.5.
 STREAM_FORWARD_SHARE = 8
+
+
+def scratch_memory(size: int) -> memoryview:
+    """``size`` bytes of page-aligned memory for ``read_parts`` (direct reads go into it)."""
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 class _Stream:
@@ -143,28 +152,44 @@ class BlockReader:
         return bytes(out)
 
     def read_into(self, offset: int, out: memoryview) -> int:
-        """Image bytes ``[offset, offset+len(out))`` into ``out`` (the FUSE file's reply
-        buffer); returns how many, short at the end of the image. Those bytes of ``out`` are
-        all verified ones; on an exception its contents are undefined.
+        """Image bytes ``[offset, offset+len(out))`` into ``out``; returns how many, short
+        at the end of the image. Those bytes of ``out`` are all verified ones; on an
+        exception its contents are undefined.
 
         Raises ``FetchError`` when sectors cannot be fetched in time (EIO).
         """
-        length = len(out)
-        if offset < 0:
+        done = 0
+        for part in self.read_parts(offset, len(out)):
+            out[done : done + len(part)] = part
+            done += len(part)
+        return done
+
+    def read_parts(
+        self, offset: int, length: int, scratch: memoryview | None = None
+    ) -> list[memoryview]:
+        """Image bytes ``[offset, offset+length)``, short at the end of the image, as views
+        whose concatenation they are: of the sectors in memory, of the ``scratch``
+        (page-aligned memory of the caller's, e.g. the FUSE thread's) that sectors in the
+        node cache are read into, of sectors just fetched. Every byte verified; nothing
+        copied. The FUSE file answers a read with these views as they are.
+
+        Raises ``FetchError`` when sectors cannot be fetched in time (EIO).
+        """
+        if offset < 0 or length < 0:
             raise InvalidReadError(f"invalid read: offset {offset}, length {length}")
         index = self.index
         numbers = index.sectors_for_range(offset, length)
         self.metrics.reads.inc()
         if not numbers:
-            return 0
+            return []
         end = min(offset + length, index.image_size)
         sequential = bool(self.readahead_sectors) and self._follow(offset, end)
-        # Sector n's bytes [lo, hi) go to out[start + lo - offset : start + hi - offset].
+        # Sector n's bytes [lo, hi) are the read's [start + lo - offset, start + hi - offset).
         spans = {}
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
-        in_memory: dict[int, SectorBytes] = {}
+        parts: dict[int, memoryview] = {}
         with self._lock:
             for n in numbers:
                 self._touched.setdefault(n)
@@ -179,27 +204,32 @@ class BlockReader:
                     used = self._used.get(n, 0) + hi - lo
                     self._used[n] = used
                     self._memory.move_to_end(n, last=used < len(data))
-                    in_memory[n] = data
-        if in_memory:
-            self.metrics.memory_hits.inc(len(in_memory))
+                    parts[n] = memoryview(data)[lo:hi]
+        if parts:
+            self.metrics.memory_hits.inc(len(parts))
         wanted = []
+        room = scratch
         for n in numbers:
-            start, lo, hi = spans[n]
-            target = out[start + lo - offset : start + hi - offset]
-            data = in_memory.get(n)
-            if data is not None:
-                target[:] = memoryview(data)[lo:hi]
-            elif not self.fetcher.read_cached_into(n, lo, target, sequential=sequential):
+            if n in parts:
+                continue
+            _, lo, hi = spans[n]
+            if room is None or len(room) < view_room(hi - lo):
+                room = scratch_memory(max(view_room(hi - lo), len(room) if room else 0))
+            got = self.fetcher.read_cached_view(n, lo, hi - lo, room, sequential=sequential)
+            if got is None:
                 wanted.append(n)
+                continue
+            parts[n], took = got
+            room = room[took:]
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             fetched = self.fetcher.get(wanted, deadline)
             self._remember(fetched, spans)
             for n, data in fetched.items():
-                start, lo, hi = spans[n]
-                out[start + lo - offset : start + hi - offset] = memoryview(data)[lo:hi]
+                _, lo, hi = spans[n]
+                parts[n] = memoryview(data)[lo:hi]
         self.metrics.read_bytes.inc(end - offset)
-        return end - offset
+        return [parts[n] for n in numbers]
 
     def touched_sectors(self) -> list[int]:
         """Sectors read so far, in first-access order."""

@@ -342,7 +342,7 @@ def run_foreground(
     from snapshotter.mount import server as mountd
 
     mountpoint = Path(os.path.abspath(mountpoint))
-    # libfuse's loop changes to / even in the foreground: relative paths are this one's.
+    # Relative paths are the command's, whatever directory the server ends up in.
     ref, config = _absolute(ref, mountpoint), config.absolute()
     directory = state.mount_dir(config.state_dir, mountpoint)
     record = state.MountRecord.load(directory)

@@ -34,7 +34,7 @@ MS_RDONLY = 1
 MNT_FORCE = 1
 MNT_DETACH = 2
 
-# The FUSE file's largest read (``snapshotter.mount.fuse.MAX_READ``), in KiB.
+# The FUSE file's largest read (``snapshotter.mount.fusewire.MAX_READ``), in KiB.
 FUSE_REQUEST_KIB = 1024
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

@@ -2,7 +2,7 @@
 back after (a no-op elsewhere).
 
 A cold read of an image allocates and frees hundreds of megabytes of sector-sized blocks
-(decoded sectors, libfuse's request buffers) on many threads. glibc's defaults hand such
+(decoded sectors, the FUSE threads' scratch) on many threads. glibc's defaults hand such
 blocks fresh pages again and again: a block of 4 MiB is first a mapping of its own, and
 later ones come from the heap, whose top is given back to the kernel whenever more than
 twice the block size is free there. A cold sequential pass over a 2 GiB image so faulted in

@@ -8,7 +8,7 @@ the foreground. In order, it:
 2. fetches the metadata sectors (in parallel, through the fetcher: coalesced requests on
    its workers) into the node's sector cache, while another thread asks the store for the
    data blob's size (it must match the index's; checked before step 5);
-3. serves the FUSE file (``snapshotter.mount.fuse``) on libfuse's threads;
+3. serves the FUSE file (``snapshotter.mount.fuse`` over ``fusewire``) on its threads;
 4. puts the kernel's erofs on it at the mountpoint (``snapshotter.mount.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
 5. records itself (``snapshotter.mount.state``), opens its control socket and reports readiness;
@@ -438,7 +438,7 @@ def run(
     raise_open_file_limit()
     memory.tune()
     server = MountServer(ref, mountpoint, config, launch, sent_at)
-    # Installed before libfuse starts, so libfuse leaves these signals to us.
+    # Installed before the FUSE threads start: they inherit the main thread's handling.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, server.request_stop)
     try:

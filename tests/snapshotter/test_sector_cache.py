@@ -20,8 +20,15 @@ from datapath_support import entry_path, set_mtime, wait_until
 
 from imagetool.format import sector_checksum
 from snapshotter.cache.entry import ALIGN, VERIFY_BLOCK, EntryBuffer, entry_file_size
-from snapshotter.cache.sectors import LAYOUT_VERSION, SectorCache, cache_entries, shared_usage
+from snapshotter.cache.sectors import (
+    LAYOUT_VERSION,
+    SectorCache,
+    cache_entries,
+    shared_usage,
+    view_room,
+)
 from snapshotter.cache.usage import usage_bytes
+from snapshotter.datapath.reader import scratch_memory
 
 T = TypeVar("T")
 
@@ -580,11 +587,9 @@ def test_entries_written_with_another_block_size_are_read_and_checked_as_they_ar
     path.write_bytes(data + bytes(aligned(len(data)) - len(data)) + trailer)
     cache = SectorCache(tmp_path, 4 << 20)
     assert cache.read(key, 20_000, 100_000, size=len(data)) == data[20_000:120_000]
-    out = memoryview(bytearray(5000))
-    assert (
-        cache.read_into(key, 250_000, out, len(data), sequential=True)
-        and out == data[250_000:255_000]
-    )
+    scratch = scratch_memory(view_room(5000, block))
+    got = cache.read_view(key, 250_000, 5000, scratch, len(data), sequential=True)
+    assert got is not None and got[0] == data[250_000:255_000]
     assert cache.get(key) == data
     with open(path, "r+b") as f:  # damage the middle of its second block
         f.seek(block + 2000)
@@ -780,8 +785,8 @@ def test_will_need_has_the_kernel_read_an_entry_ahead(tmp_path: Path) -> None:
             os.close(fd)
     else:
         cache.will_need(key)
-    buf = bytearray(1 << 20)
-    assert cache.read_into(key, 0, memoryview(buf), sequential=True) and bytes(buf) == data
+    got = cache.read_view(key, 0, len(data), scratch_memory(view_room(len(data))), sequential=True)
+    assert got is not None and got[0] == data
 
 
 def _cached(fd: int, offset: int) -> bool:

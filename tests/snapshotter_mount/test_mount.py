@@ -106,8 +106,7 @@ def test_foreground_mount_runs_as_its_systemd_unit_expects(
 ) -> None:  # noqa: ANN001
     """``mount --foreground`` (the ExecStart of ``lazyblock-mount@.service``, Type=notify):
     READY=1 on $NOTIFY_SOCKET once the tree is browsable, served from that very process, which
-    SIGTERM unmounts and ends with status 0. Relative paths are the command's, though
-    libfuse's loop works in / even in the foreground."""
+    SIGTERM unmounts and ends with status 0. Relative paths are the command's."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     name = f"lazyblock-test-{uuid.uuid4().hex[:12]}"

@@ -1,5 +1,5 @@
-"""SectorCache.read_into: the FUSE read path's reads straight into a caller's buffer, checked
-where they land."""
+"""SectorCache.read_view: the FUSE read path's reads into the FUSE thread's scratch memory,
+checked where they land and answered from there."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import pytest
 from datapath_support import entry_path, set_mtime
 
 from imagetool.format import sector_checksum
-from snapshotter.cache.sectors import SectorCache
+from snapshotter.cache.sectors import SectorCache, view_room
+from snapshotter.datapath.reader import scratch_memory
+
+
+def read_view(cache: SectorCache, key: str, offset: int, length: int, **kw: object) -> bytes | None:
+    """``read_view`` into fresh scratch of the size the FUSE thread would give it: the bytes,
+    or None."""
+    got = cache.read_view(key, offset, length, scratch_memory(view_room(length)), **kw)
+    return None if got is None else bytes(got[0])
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["verified", "first-use"])
@@ -22,21 +30,21 @@ def test_reads_into_a_buffer_match_the_entry(tmp_path: Path, fresh: bool) -> Non
     if fresh:  # another process: nothing checked yet, the first read checks the trailer
         cache = SectorCache(tmp_path, 1 << 20)
     rng = random.Random(3)
-    buf = bytearray(100_000)
     for _ in range(100):
-        offset = rng.randrange(len(data))
-        length = rng.randrange(min(len(buf), len(data) - offset) + 1)
-        view = memoryview(buf)[:length]
-        assert cache.read_into(key, offset, view, size=len(data))
-        assert bytes(view) == data[offset : offset + length], (offset, length)
-    view = memoryview(buf)[:100]
-    assert not cache.read_into(key, len(data) - 50, view)  # past the end: not whole
-    assert not cache.read_into(key, 0, view, size=len(data) + 1)  # not the sector asked for
-    assert not cache.read_into(sector_checksum(b"absent"), 0, view)
+        offset = rng.randrange(len(data) - 1)
+        length = rng.randrange(1, min(100_000, len(data) - offset) + 1)
+        sequential = rng.random() < 0.5
+        got = read_view(cache, key, offset, length, size=len(data), sequential=sequential)
+        assert got == data[offset : offset + length], (offset, length)
+    assert read_view(cache, key, len(data) - 50, 100) is None  # past the end: not whole
+    assert read_view(cache, key, 0, 100, size=len(data) + 1) is None  # not the sector asked for
+    assert read_view(cache, sector_checksum(b"absent"), 0, 100) is None
+    small = scratch_memory(4096)  # too little scratch for the blocks: a miss, not a wrong read
+    assert cache.read_view(key, 1000, 20_000, small) is None
     assert cache.metrics.corrupt.value == 0
 
 
-def test_damage_after_the_check_is_caught_by_the_read_into_the_buffer(
+def test_damage_after_the_check_is_caught_where_the_blocks_land(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     data = random.Random(4).randbytes(300_000)
@@ -49,18 +57,16 @@ def test_damage_after_the_check_is_caught_by_the_read_into_the_buffer(
         f.seek(200_000)
         f.write(b"\xff" * 3)
     set_mtime(path, st.st_mtime)
-    buf = bytearray(5000)
-    assert cache.read_into(key, 1000, memoryview(buf))  # blocks that are intact still serve
-    assert bytes(buf) == data[1000:6000]
+    # blocks that are intact still serve
+    assert read_view(cache, key, 1000, 5000) == data[1000:6000]
     # the damaged block is only partly in the range asked for: still caught
-    assert not cache.read_into(key, 199_000, memoryview(buf)[:1001])
+    assert read_view(cache, key, 199_000, 1001) is None
     assert "corrupt" in caplog.text and not path.exists() and key not in cache
     assert cache.metrics.corrupt.value == 1
     # and it stays a miss until the sector is put again
-    assert not cache.read_into(key, 1000, memoryview(buf))
+    assert read_view(cache, key, 1000, 5000) is None
     cache.put(key, data)
-    assert cache.read_into(key, 199_000, memoryview(buf)[:1001])
-    assert bytes(buf[:1001]) == data[199_000:200_001]
+    assert read_view(cache, key, 199_000, 1001) == data[199_000:200_001]
 
 
 def test_a_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(
@@ -81,8 +87,6 @@ def test_a_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(
 
     monkeypatch.setattr(os, "preadv", preadv)
     cache = SectorCache(tmp_path, 1 << 20)
-    buf = bytearray(5000)
-    assert cache.read_into(key, 1000, memoryview(buf))
-    assert bytes(buf) == data[1000:6000]
+    assert read_view(cache, key, 1000, 5000) == data[1000:6000]
     assert cache.read(key, 150_000, 10) == data[150_000:150_010]
     assert cache.metrics.corrupt.value == 0 and cache.metrics.misses.value == 0
