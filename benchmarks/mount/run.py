@@ -45,7 +45,15 @@ busy CPU; ``busy``: its share of all CPUs). ``cold_seq_cpu_bound_MBps`` is the c
 sequential throughput at which the pass's CPU per GB would keep every CPU busy, and
 ``cold_seq_cpu_per_GB_for_target`` the machine CPU per GB of image a pass may use at most to
 reach 70 % of the store on this machine's CPUs: where the first is below the target, a pass
-is limited by CPU, not by waiting.
+is limited by CPU, not by waiting. ``all_but_store`` is the machine's CPU less the
+registry's: what a node pays per GB read cold. ``cold_seq_stages`` splits the pass's CPU by
+process and by stage (received, decompressed, hashed, written to the cache, replied to FUSE,
+the interpreter, ...) from a system-wide ``perf record`` (``benchmarks/cpustages.py``;
+empty where perf cannot record).
+
+``--content random`` builds the image from random bytes alone (incompressible: zstd keeps
+them as raw blocks), for the cost of a byte that needs no decompression; use another
+``--work`` directory than the default image's.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from ocibuild import DEFAULT_MTIME, write_oci_layout  # noqa: E402
 from support import Registry  # noqa: E402
 
 from benchmarks.coldstart import netns  # noqa: E402
+from benchmarks.cpustages import CpuStages, format_report  # noqa: E402
 from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa: E402
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
@@ -124,14 +133,18 @@ class CpuMeter:
         return out
 
 
-def make_tree(root: Path, total: int) -> None:
-    """``total`` bytes in 64 MiB files: half random (weights-like), half text-like."""
+def make_tree(root: Path, total: int, content: str = "mixed") -> None:
+    """``total`` bytes in 64 MiB files: ``mixed``, half random (weights-like), half
+    text-like; ``random``, all random (incompressible: what zstd keeps as raw blocks)."""
     rng = random.Random(42)
     (root / "weights").mkdir(parents=True)
     for i in range(total // FILE_SIZE):
         with open(root / "weights" / f"shard-{i:03d}.bin", "wb") as f:
             for _ in range(FILE_SIZE // (4 * MIB)):
                 f.write(rng.randbytes(2 * MIB))
+                if content == "random":
+                    f.write(rng.randbytes(2 * MIB))
+                    continue
                 pattern = b"lazyblock %d " % i
                 f.write((pattern * (2 * MIB // len(pattern) + 1))[: 2 * MIB])
     (root / "etc").mkdir()
@@ -257,15 +270,16 @@ def store_throughput(
         return total / elapsed / 1e6
 
 
-def setup(work: Path, size: int, reuse: bool) -> tuple[Registry, str, Path]:
+def setup(work: Path, size: int, reuse: bool, content: str = "mixed") -> tuple[Registry, str, Path]:
     """The tree, its OCI layout and the converted image in a loopback registry; with
-    ``reuse``, what an earlier run left in ``work`` (same size) is used as is."""
+    ``reuse``, what an earlier run left in ``work`` (same size and content) is used as is."""
     tree = work / "tree"
     marker = work / "converted"
-    if not (reuse and marker.exists() and marker.read_text() == str(size)):
+    made = str(size) if content == "mixed" else f"{size} {content}"
+    if not (reuse and marker.exists() and marker.read_text() == made):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        make_tree(tree, size)
+        make_tree(tree, size, content)
         make_layout(tree, work / "oci")
         (work / "registry").mkdir()
     registry = Registry(work / "registry")
@@ -276,7 +290,7 @@ def setup(work: Path, size: int, reuse: bool) -> tuple[Registry, str, Path]:
              "--tmpdir", str(work), f"oci:{work / 'oci'}:v1", ref],
             check=True, capture_output=True,
         )  # fmt: skip
-        marker.write_text(str(size))
+        marker.write_text(made)
     return registry, ref, tree
 
 
@@ -320,8 +334,13 @@ def measure(
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
         drop_caches()
         meter = CpuMeter({"mount_server": server.pid, **pids}).start()
-        out["cold_seq_MBps"] = seq_read(mnt)
-        out["cold_seq_cpu"] = meter.stop(sum(p.stat().st_size for p in files_of(mnt)) / 1e9)
+        with CpuStages() as stages:
+            out["cold_seq_MBps"] = seq_read(mnt)
+        gigabytes = sum(p.stat().st_size for p in files_of(mnt)) / 1e9
+        out["cold_seq_cpu"] = meter.stop(gigabytes)
+        named = {"mount_server": server.pid, "reader": os.getpid(), **pids}
+        out["cold_seq_stages"] = stages.report(named, gigabytes).get("per_GB", {})
+        stages.close()
         stats = api.stats(mnt, cfg)
         fetch = stats["fetch"]
         out["cold_fetch"] = {k: v for k, v in fetch.items() if not isinstance(v, dict)}
@@ -420,6 +439,16 @@ def machine_facts() -> dict[str, object]:
     return facts
 
 
+def _median_stages(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per process and stage, the median over rounds (a stage a round lacks counts 0)."""
+    out: dict[str, dict[str, float]] = {}
+    for name in {n for row in rows for n in row}:
+        stages = {s for row in rows for s in row.get(name, {})}
+        out[name] = {s: median([row.get(name, {}).get(s, 0.0) for row in rows]) for s in stages}
+        out[name] = dict(sorted(out[name].items(), key=lambda kv: -kv[1]))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1].get("total", 0.0)))
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -437,6 +466,10 @@ def main() -> int:
     parser.add_argument("--backing", default="auto")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians")
     parser.add_argument("--reuse", action="store_true", help="keep the image of an earlier run")
+    parser.add_argument(
+        "--content", choices=("mixed", "random"), default="mixed",
+        help="mixed: half random, half text-like (default); random: incompressible",
+    )  # fmt: skip
     parser.add_argument("--mount-only", action="store_true", help="measure only mount times")
     parser.add_argument("--mount-repeats", type=int, default=3, help="mounts per round (median)")
     parser.add_argument(
@@ -455,9 +488,10 @@ def main() -> int:
         name, _, path = v.partition("=")
         variants[name] = str(Path(path).resolve())
     t = time.monotonic()
-    registry, ref, tree = setup(work, args.size, args.reuse)
+    registry, ref, tree = setup(work, args.size, args.reuse, args.content)
     results: dict[str, object] = {
         "image_bytes": args.size,
+        "content": args.content,
         "setup_seconds": time.monotonic() - t,
         "machine": machine_facts(),
     }
@@ -542,6 +576,9 @@ def main() -> int:
         target = 0.7 * results["store_MBps"] / 1e3  # type: ignore[operator]  # GB/s of image
         r["cold_seq_cpu_per_GB_for_target"] = cpus / target
         r["cold_fetch"] = passes[-1]["cold_fetch"]
+        r["cold_seq_stages"] = _median_stages([p["cold_seq_stages"] for p in passes])  # type: ignore[misc]
+        # Everything but the store: the budget a node pays per GB read cold.
+        r["cold_seq_cpu"]["all_but_store"] = cpu["machine"] - cpu.get("registry", 0.0)
         layers = passes[0]["warm_qd1_us"]
         r["warm_qd1_us"] = {
             layer: _median_of([p["warm_qd1_us"][layer] for p in passes])  # type: ignore[index]
@@ -562,6 +599,11 @@ def main() -> int:
         results[name] = r
     text = json.dumps(results, indent=2)
     print(text)
+    for name in variants:
+        stages = results[name].get("cold_seq_stages")  # type: ignore[union-attr]
+        if stages:
+            print(f"cold sequential, CPU-s per GB of image by stage ({name}):", file=sys.stderr)
+            print(format_report({"per_GB": stages}), file=sys.stderr)
     if args.json:
         args.json.write_text(text)
     return 0
