@@ -6,6 +6,7 @@
     │   ├── FetchTimeoutError             the read's total deadline passed first
     │   └── ClosedError                   the fetcher was closed while or before reading
     ├── CacheError                        the local sector cache directory is unusable
+    ├── PullError                         ``snapshotter pull`` could not pull an image lazily
     └── InvalidReadError (ValueError)     a read with a negative offset or length (EINVAL)
 
 Store and format errors (``imagetool.errors``) are caught at the fetcher and become
@@ -38,6 +39,11 @@ class FetchTimeoutError(FetchError):
 
 class CacheError(SnapshotterError):
     """The local sector cache directory cannot be used."""
+
+
+class PullError(SnapshotterError):
+    """A lazy pull (``snapshotter pull``) failed: the image is not a block image, containerd
+    is unreachable or refused a step, or the snapshotter did not mount a layer lazily."""
 
 
 class InvalidReadError(SnapshotterError, ValueError):

@@ -13,9 +13,10 @@ lower layer. ``restore`` and ``ensure_mounted`` remount the images whose mount i
 reboot, a killed mount server).
 
 Known limits: ``ctr image pull`` of containerd 1.6/1.7 fetches every blob before unpacking and
-passes no labels, so it downloads the whole data blob and then fails to apply it; pull
-through CRI (``crictl pull``, kubelet), nerdctl or containerd 2.x's transfer service (``ctr``
->= 2.0, with ``enable_remote_snapshot_annotations`` in the proxy plugin's exports) instead.
+passes no labels, so it downloads the whole data blob and then fails to apply it; pull with
+``snapshotter pull`` (``pull``: containerd's client steps with the labels), through CRI
+(``crictl pull``, kubelet), nerdctl or containerd 2.x's transfer service (``ctr`` >= 2.0,
+with ``enable_remote_snapshot_annotations`` in the proxy plugin's exports) instead.
 """
 
 from __future__ import annotations

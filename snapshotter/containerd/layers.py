@@ -109,9 +109,10 @@ class LayerResolver:
         if not (image_ref and manifest_digest):
             raise RemoteLayerError(
                 f"lazyblock layer {target} came without the image reference and manifest "
-                "digest labels; pull through CRI with disable_snapshot_annotations = false, "
-                "nerdctl, or containerd 2.x's transfer service with the proxy plugin's "
-                'exports enable_remote_snapshot_annotations = "true"'
+                "digest labels; pull with 'snapshotter pull', through CRI with "
+                "disable_snapshot_annotations = false, nerdctl, or containerd 2.x's transfer "
+                "service with the proxy plugin's exports "
+                'enable_remote_snapshot_annotations = "true"'
             )
         host, repository = split_image_ref(image_ref)
         if role is None:
@@ -142,12 +143,20 @@ class LayerResolver:
                     self._manifests.pop(next(iter(self._manifests)))
                 self._manifests[manifest_digest] = manifest
         for layer in manifest.get("layers") or []:
-            if not isinstance(layer, dict) or layer.get("digest") != layer_digest:
-                continue
-            annotations = layer.get("annotations") or {}
-            role = annotations.get(ANNOTATION_ROLE) or annotations.get(LABEL_ROLE)
-            return role or _ROLE_BY_MEDIA_TYPE.get(str(layer.get("mediaType")))
+            if isinstance(layer, dict) and layer.get("digest") == layer_digest:
+                return layer_role(layer)
         return None
+
+
+def layer_role(layer: dict[str, Any]) -> str | None:
+    """The lazyblock role of a manifest's layer descriptor (``ROLE_BLOB``, ``ROLE_INDEX``, or
+    whatever other role it claims), from its annotations or media type; None for an
+    ordinary layer."""
+    annotations = layer.get("annotations") or {}
+    if not isinstance(annotations, dict):
+        annotations = {}
+    role = annotations.get(ANNOTATION_ROLE) or annotations.get(LABEL_ROLE)
+    return role or _ROLE_BY_MEDIA_TYPE.get(str(layer.get("mediaType")))
 
 
 def registry_manifests(options_for: Callable[[str], StoreOptions]) -> ManifestFetcher:

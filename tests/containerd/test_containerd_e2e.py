@@ -11,8 +11,6 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
-import itool
 import pytest
 from harness import (
     BIG,
@@ -67,22 +65,6 @@ def remove_images(node: Containerd, namespace: str) -> None:
     names = node.ctr("images", "ls", "-q", namespace=namespace).stdout.split()
     if names:
         node.ctr("images", "rm", "--sync", *names, namespace=namespace)
-
-
-@pytest.fixture(scope="module")
-def lazy_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory):
-    """A 2-layer image (busybox + app with 48 MiB of data) converted into the registry (once
-    for both containerd flavours)."""
-    tmp = tmp_path_factory.mktemp("lazyimg")
-    layout = sample_image(tmp, big=BIG)
-    ref = f"{registry.host}/lazy/app:v1"
-    itool.imagetool("--plain-http", "convert", "-q", "--sector-size", "1MiB",
-                    f"oci:{layout}:v1", f"docker://{ref}")  # fmt: skip
-    manifest = json.loads(
-        httpx.get(f"http://{registry.host}/v2/lazy/app/manifests/v1",
-                  headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).content
-    )  # fmt: skip
-    return ref, manifest
 
 
 def test_converted_image_runs_lazily(node: Containerd, registry: Registry, lazy_image) -> None:

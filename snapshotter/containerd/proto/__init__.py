@@ -1,4 +1,5 @@
-"""containerd's snapshots API and the CRI image messages the keychain reads: the ``.proto``
+"""containerd's snapshots API, the CRI image messages the keychain reads, and the parts of
+containerd's images, content and leases APIs that ``snapshotter pull`` calls: the ``.proto``
 files and their generated stubs.
 
 ``load()`` returns the generated modules; when they are missing or older than the ``.proto``
@@ -9,7 +10,7 @@ them first, if grpcio-tools is installed.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 
 def load() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -30,3 +31,18 @@ def load_cri() -> ModuleType:
     """cri_pb2: the CRI image service messages (``runtime.v1``) the keychain reads."""
     load()
     return importlib.import_module("snapshotter.containerd.proto.cri_pb2")
+
+
+def load_client() -> SimpleNamespace:
+    """The stubs a client of containerd needs (``snapshotter pull``): ``images``,
+    ``content``, ``leases`` and ``snapshots`` (each the ``_pb2`` module, its gRPC module as
+    ``<name>_grpc``) and ``descriptor``."""
+    load()
+    modules = {}
+    for name in ("images", "content", "leases", "snapshots"):
+        modules[name] = importlib.import_module(f"snapshotter.containerd.proto.{name}_pb2")
+        modules[f"{name}_grpc"] = importlib.import_module(
+            f"snapshotter.containerd.proto.{name}_pb2_grpc"
+        )
+    modules["descriptor"] = importlib.import_module("snapshotter.containerd.proto.descriptor_pb2")
+    return SimpleNamespace(**modules)

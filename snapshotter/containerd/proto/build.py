@@ -20,7 +20,15 @@ log = logging.getLogger(__name__)
 PROTO_DIR = Path(__file__).resolve().parent
 # The directory that holds the ``snapshotter`` package: the proto import root.
 SOURCE_ROOT = PROTO_DIR.parents[2]
-PROTOS = ("mount.proto", "snapshots.proto", "cri.proto")
+PROTOS = (
+    "mount.proto",
+    "snapshots.proto",
+    "cri.proto",
+    "descriptor.proto",
+    "images.proto",
+    "content.proto",
+    "leases.proto",
+)
 
 
 class StubBuildError(RuntimeError):
