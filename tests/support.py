@@ -86,7 +86,7 @@ class Registry:
         )
         try:
             wait_port(self.port)
-        except TimeoutError:
+        except BaseException:  # interrupted too: no registry left running
             self.stop()
             raise
 

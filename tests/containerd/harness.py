@@ -167,8 +167,13 @@ class Containerd:
             stdout=logf, stderr=logf, start_new_session=True, env=flavour.env(),
         )  # fmt: skip
         logf.close()
-        wait_for(self.address, self.proc, "containerd")
-        self.ctr("version")
+        try:
+            wait_for(self.address, self.proc, "containerd")
+            self.ctr("version")
+        except BaseException:  # interrupted too: no containerd left running
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def ctr(
         self, *args: str, namespace: str = NAMESPACE, check: bool = True, timeout: float = 120
