@@ -29,6 +29,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(HERE.parents[1]))
+    except ValueError:
+        return str(path)
+
+
 def run(cmd: list[str], **kw) -> dict:  # noqa: ANN003
     """Run a command; return wall seconds and the child's peak RSS in MiB."""
     start = time.perf_counter()
@@ -135,7 +142,9 @@ def main() -> None:
         shutil.rmtree(work / "trees")
     results: dict = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "image": {"layout": str(layout)},
+        # Where the layout was, relative to the repository when it is inside it: the
+        # results are committed, and a machine's own paths mean nothing to a reader.
+        "image": {"layout": _shown(layout)},
     }
     subprocess.run(["sync"], check=True)
 
