@@ -89,7 +89,8 @@ def test_converted_image_runs_lazily(node: Containerd, registry: Registry, lazy_
 def test_ctr_pull_of_a_converted_image(node: Containerd, registry: Registry, lazy_image) -> None:
     """``ctr image pull --snapshotter lazyblock``: on 2.x its transfer service passes the
     layer labels (``enable_remote_snapshot_annotations`` in the proxy plugin's exports), so
-    the image is mounted lazily; 1.6's ctr fetches every blob first and passes no labels."""
+    the image is mounted lazily; 1.6's ctr fetches every blob first and passes no labels
+    (``snapshotter pull`` is the lazy pull there: test_pull.py)."""
     ref, manifest = lazy_image
     blob = manifest["layers"][0]
     start = registry_log_end(registry)
@@ -99,6 +100,11 @@ def test_ctr_pull_of_a_converted_image(node: Containerd, registry: Registry, laz
     try:
         if node.flavour.config_version < 3:  # the limit deploy/README.md documents
             assert pull.returncode != 0
+            # What docs/troubleshooting.md quotes (it sends users to snapshotter pull).
+            assert (
+                "failed to get stream processor for "
+                "application/vnd.oci.image.layer.lazyblock.sectors.v1" in pull.stderr
+            ), pull.stderr
             assert "no processor for media-type" in pull.stderr
             assert read == blob["size"]
             return
