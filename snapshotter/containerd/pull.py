@@ -228,8 +228,8 @@ def _matches(want: tuple[str, str, str], doc: dict[str, Any]) -> bool:
 def _json(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise PullError(f"{what} is not valid JSON") from None
+    except ValueError:  # not UTF-8, not JSON
+        doc = None
     if not isinstance(doc, dict):
         raise PullError(f"{what} is not a JSON object")
     return doc

@@ -15,17 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 import pytest
-from harness import (
-    NAMESPACE,
-    Containerd,
-    mount_config,
-    registry_blob_bytes,
-    registry_log_end,
-    sample_image,
-    wait_no_snapshots,
-)
+from harness import NAMESPACE, Containerd
 from ocibuild import push_to_registry
 from support import Registry
 
@@ -60,7 +53,7 @@ def test_pull_then_ctr_run(node: Containerd, registry: Registry, lazy_image) -> 
 
     ref, manifest = lazy_image
     blob = manifest["layers"][0]
-    start = registry_log_end(registry)
+    start = harness.registry_log_end(registry)
     try:
         pulled = lazy_pull(node, ref)
         assert pulled.returncode == 0, pulled.stderr
@@ -71,7 +64,7 @@ def test_pull_then_ctr_run(node: Containerd, registry: Registry, lazy_image) -> 
         out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "pull2", "/bin/sh",
                        "-c", "echo $GREETING; pwd; ls /app").stdout  # fmt: skip
         assert out == "hi\n/app\ndata.bin\nmsg\n"
-        read = registry_blob_bytes(registry, blob["digest"], start)
+        read = harness.registry_blob_bytes(registry, blob["digest"], start)
         assert 0 < read < blob["size"] // 4, (read, blob["size"])
 
         # Both layers are remote snapshots named by their chain IDs; the image's config
@@ -97,8 +90,8 @@ def test_pull_then_ctr_run(node: Containerd, registry: Registry, lazy_image) -> 
     finally:
         remove_all(node)
     # Removing the image lets containerd collect its snapshots; the daemon unmounts.
-    assert wait_no_snapshots(node, NAMESPACE) == []
-    config = mount_config(node)
+    assert harness.wait_no_snapshots(node, NAMESPACE) == []
+    config = harness.mount_config(node)
     deadline = time.monotonic() + 10
     while mount_mod.list_mounts(config) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -141,7 +134,7 @@ def test_pull_through_an_image_index(
         assert "linux/amd64" in refused.stderr and "linux/s390x" in refused.stderr
     finally:
         remove_all(node)
-    assert wait_no_snapshots(node, NAMESPACE) == []
+    assert harness.wait_no_snapshots(node, NAMESPACE) == []
 
 
 def test_refusals_leave_nothing_behind(
@@ -149,7 +142,7 @@ def test_refusals_leave_nothing_behind(
 ) -> None:
     """Every refusal is one line and exit 3, and leaves no image record or snapshot."""
     ref, _ = lazy_image
-    push_to_registry(sample_image(tmp_path), "v1", registry.host, "plain/pullme")
+    push_to_registry(harness.sample_image(tmp_path), "v1", registry.host, "plain/pullme")
     ordinary = f"{registry.host}/plain/pullme:v1"
     cases = [
         (ordinary, (), "is an ordinary image, not a lazyblock block image"),
