@@ -21,7 +21,7 @@ OUTSIDE = re.compile(r"\.\./shared|(?<![\w.*])/work/|shared/DESIGN")
 # the container), the serving data path's internal fetch error and watch restart.
 INTERNAL = {"snapshotter.ForkServerError", "snapshotter.ForkServerUnavailable",
             "snapshotter.KeychainError", "snapshotter.RemoteLayerError",
-            "snapshotter.ClosedError", "snapshotter.InvalidReadError",
+            "snapshotter.ClosedError", "snapshotter.InvalidReadError", "snapshotter.ReadError",
             "serving.ResourceExpired", "serving.FetchError"}  # fmt: skip
 
 
