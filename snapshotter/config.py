@@ -64,12 +64,13 @@ class ConfigError(SnapshotterError, ValueError):
 class FetchConfig:
     """How the fetcher talks to the store. Every field is per mount."""
 
-    max_parallel: int = 8
+    max_parallel: int = 10
     """Worker threads, hence store requests in flight at once (hung ones not counted)."""
 
-    max_parallel_prefetch: int = 2
-    """Of those, how many prefetch jobs may hold at once, so that on-demand reads always find
-    a free worker soon even while a prefetch runs."""
+    max_parallel_prefetch: int | None = None
+    """Of those, how many prefetch jobs may hold at once (the most the prefetcher's window
+    grows to), so that on-demand reads always find a free worker even while a prefetch
+    fills the link. Default: all but two (at least one)."""
 
     request_timeout: float = 10.0
     """Seconds a ranged read may go without delivering a sector before it is abandoned and
@@ -109,7 +110,7 @@ class FetchConfig:
     def __post_init__(self) -> None:
         if self.timeout_memory < 0:
             raise ValueError("timeout_memory must not be negative")
-        if self.max_parallel < 1 or not 0 <= self.max_parallel_prefetch <= self.max_parallel:
+        if self.max_parallel < 1 or not 0 <= self.prefetch_workers <= self.max_parallel:
             raise ValueError("need max_parallel >= 1 and 0 <= max_parallel_prefetch <= it")
         if self.request_timeout <= 0 or self.deadline <= 0:
             raise ValueError("request_timeout and deadline must be positive")
@@ -117,6 +118,13 @@ class FetchConfig:
             raise ValueError("retries and backoff must not be negative")
         if self.max_request_bytes < 1 or self.max_stuck_requests < 0:
             raise ValueError("max_request_bytes must be positive, max_stuck_requests >= 0")
+
+    @property
+    def prefetch_workers(self) -> int:
+        """``max_parallel_prefetch``, or its default for ``max_parallel``."""
+        if self.max_parallel_prefetch is not None:
+            return self.max_parallel_prefetch
+        return max(1, self.max_parallel - 2)
 
 
 class PrefetchMode(enum.Enum):
@@ -135,8 +143,12 @@ class PrefetchConfig:
     """What to fetch: see ``plan``."""
 
     batch_sectors: int = 4
-    """Sectors asked for per fetcher call (adjacent ones become one request). Small, so an
-    on-demand request queued behind a batch waits little."""
+    """Sectors per prefetch batch (adjacent ones become one request). Small, so a batch on
+    the wire delays an on-demand read that shares the link little."""
+
+    min_window: int = 2
+    """Batches kept in flight at least: two, so that the link does not idle between one
+    batch's last byte and the next one's first."""
 
     bandwidth: int | None = None
     """Cap on stored bytes fetched per second by the prefetcher; None for no cap."""
@@ -157,6 +169,8 @@ class PrefetchConfig:
     def __post_init__(self) -> None:
         if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
             raise ValueError("batch_sectors, max_failures and batch_timeout must be positive")
+        if self.min_window < 1:
+            raise ValueError("min_window must be positive")
         if self.bandwidth is not None and self.bandwidth <= 0:
             raise ValueError("bandwidth must be positive (or None for no cap)")
         if self.burst_bytes < 0 or not 0 < self.max_cache_fraction <= 1:

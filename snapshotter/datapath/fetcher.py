@@ -20,7 +20,11 @@ store:
 * **Bounded parallelism, priorities.** Reads are jobs on a priority queue served by
   ``max_parallel`` worker threads; on-demand jobs always go before prefetch jobs, a prefetch
   job is promoted when an on-demand reader starts waiting on it, and prefetch work never
-  holds more than ``max_parallel_prefetch`` workers.
+  holds more than ``max_parallel_prefetch`` workers. Prefetch is never starved for good
+  either: while no prefetch job runs, one that has waited ``PREFETCH_MAX_WAIT`` seconds
+  behind other work takes the next free worker. ``prefetch(numbers)`` queues prefetch jobs
+  without waiting for them (``snapshotter.datapath.prefetch`` keeps a window of them in
+  flight).
 * **Read-ahead.** ``readahead(numbers)`` starts fetches without waiting for them (for a
   sequential reader, ``snapshotter.datapath.reader``): they queue behind on-demand reads and
   ahead of prefetch, are promoted when a reader starts waiting on them, and
@@ -81,6 +85,10 @@ SectorBytes = bytes | memoryview
 # FetchConfig.timeout_memory): long enough for a store that is back to deliver, short enough
 # that the kernel's retries of a failed read do not each wait out a whole deadline.
 RETRY_WAIT = 0.5
+# Seconds a queued prefetch job may wait behind on-demand and read-ahead work while no
+# prefetch job runs; then it takes the next free worker (a reader that never stops
+# streaming must not stall the profile's prefetch for good).
+PREFETCH_MAX_WAIT = 2.0
 # Store errors that another attempt cannot fix.
 _PERMANENT = (NotFoundError, AuthError)
 
@@ -96,7 +104,7 @@ class Priority(IntEnum):
 class _Job:
     """One coalesced ranged read: consecutive stored sectors of the blob."""
 
-    __slots__ = ("sectors", "priority", "origin", "deadline", "taken", "unwanted")
+    __slots__ = ("sectors", "priority", "origin", "deadline", "taken", "unwanted", "queued")
 
     def __init__(self, sectors: list[int], priority: Priority, deadline: float) -> None:
         self.sectors = sectors
@@ -105,6 +113,7 @@ class _Job:
         self.deadline = deadline  # the latest deadline of anyone waiting on it
         self.taken = False
         self.unwanted = priority == Priority.READAHEAD  # nobody waits on it (yet)
+        self.queued = time.monotonic()
 
 
 class _Flight:
@@ -117,6 +126,28 @@ class _Flight:
         self.done = threading.Event()
         self.data: SectorBytes | None = None
         self.error: BaseException | None = None
+
+
+class PrefetchBatch:
+    """Sectors ``SectorFetcher.prefetch`` queued: their stored ``bytes``, and a wait for all
+    of them."""
+
+    __slots__ = ("sectors", "bytes", "_flights")
+
+    def __init__(self, sectors: list[int], stored: int, flights: list[_Flight]) -> None:
+        self.sectors = sectors
+        self.bytes = stored
+        self._flights = flights
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every sector is done (fetched or failed) within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        return all(f.done.wait(max(0.0, end - time.monotonic())) for f in self._flights)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the first failed sector failed with (once ``wait`` is true)."""
+        return next((f.error for f in self._flights if f.error is not None), None)
 
 
 class _Transfer:
@@ -179,6 +210,7 @@ class SectorFetcher:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: list[tuple[int, int, _Job]] = []  # heap; may hold stale entries
+        self._prefetch_fifo: deque[_Job] = deque()  # queued prefetch jobs, oldest first
         self._seq = itertools.count()
         self._inflight: dict[str, _Flight] = {}  # by checksum: one fetch per content
         self._running_prefetch = 0
@@ -307,6 +339,37 @@ class SectorFetcher:
         self.readahead_sectors.inc(len(new))
         return len(new)
 
+    def prefetch(self, numbers: Iterable[int], deadline: float | None = None) -> PrefetchBatch:
+        """Queue fetches, at prefetch priority, of those of ``numbers`` that are neither
+        cached nor in flight, without waiting for them; returns them as a batch to wait on
+        (empty if there was nothing to fetch). Raises ``ClosedError`` once closed."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.deadline
+        sectors = self.index.sectors
+        new: dict[str, int] = {}
+        flights: list[_Flight] = []
+        with self._work:
+            if self._closed.is_set():
+                raise ClosedError("fetcher closed")
+            for n in numbers:
+                checksum = sectors[n].checksum
+                if (
+                    sectors[n].is_zero
+                    or checksum in self._inflight
+                    or checksum in new
+                    or checksum in self.cache
+                ):
+                    continue
+                new[checksum] = n
+            for run in self._plan(sorted(new.values())):
+                job = _Job(run, Priority.PREFETCH, deadline)
+                for n in run:
+                    flight = self._inflight[sectors[n].checksum] = _Flight(job)
+                    flights.append(flight)
+                self._push(job)
+        wanted = sorted(new.values())
+        return PrefetchBatch(wanted, sum(sectors[n].length for n in wanted), flights)
+
     def _warm(self) -> None:
         """Get cached sectors read ahead ready: verified, or on their way from disk."""
         while True:
@@ -348,6 +411,7 @@ class SectorFetcher:
             flights = list(self._inflight.items())
             self._inflight.clear()
             self._queue.clear()
+            self._prefetch_fifo.clear()
             self.metrics.queued.set(0)
             self._work.notify_all()
         self._settle([flight for _, flight in flights], ClosedError("fetcher closed"))
@@ -534,22 +598,32 @@ class SectorFetcher:
 
     def _push(self, job: _Job) -> None:
         heapq.heappush(self._queue, (job.priority, next(self._seq), job))
+        if job.priority == Priority.PREFETCH:
+            self._prefetch_fifo.append(job)
         self.metrics.queued.inc()
         self._work.notify()
 
     # --- the worker side ------------------------------------------------------------------
 
     def _next_job(self) -> _Job | None:
-        """Pop the most urgent runnable job, skipping stale heap entries. Lock held."""
+        """Pop the most urgent runnable job, skipping stale heap entries; or a prefetch job
+        that has waited too long (``PREFETCH_MAX_WAIT``). Lock held."""
+        fifo = self._prefetch_fifo
+        while fifo and (fifo[0].taken or fifo[0].priority != Priority.PREFETCH):
+            fifo.popleft()  # run, cancelled, or promoted by a reader
+        if (
+            fifo
+            and self._running_prefetch == 0
+            and self.config.prefetch_workers > 0
+            and time.monotonic() - fifo[0].queued >= PREFETCH_MAX_WAIT
+        ):
+            return fifo.popleft()  # its heap entry goes stale: it is taken
         while self._queue:
             prio, _, job = self._queue[0]
             if job.taken or prio != job.priority:
                 heapq.heappop(self._queue)
                 continue
-            if (
-                prio == Priority.PREFETCH
-                and self._running_prefetch >= self.config.max_parallel_prefetch
-            ):
+            if prio == Priority.PREFETCH and self._running_prefetch >= self.config.prefetch_workers:
                 return None
             heapq.heappop(self._queue)
             return job
@@ -561,7 +635,9 @@ class SectorFetcher:
                 while (job := self._next_job()) is None:
                     if self._closed.is_set():
                         return
-                    self._work.wait()
+                    # Woken by new work and finished prefetch jobs; the timeout lets a
+                    # prefetch job that has waited long enough be seen (PREFETCH_MAX_WAIT).
+                    self._work.wait(PREFETCH_MAX_WAIT if self._prefetch_fifo else None)
                 if self._closed.is_set():
                     return
                 job.taken = True
