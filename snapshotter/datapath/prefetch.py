@@ -18,13 +18,27 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
 
 All-zero sectors are never listed (they cost nothing to read).
 
+When. From the moment the mount server has verified the index, before the metadata is
+fetched and the tree mounted (``snapshotter.mount.server``): the metadata fetch is an
+on-demand read and goes first, and the link then stays busy while the kernel mounts and the
+container starts.
+
+How fast. The link must be kept full: a batch that completes before the next one is on the
+wire leaves it idle for a round trip, and one connection may not fill a fast link. So the
+prefetcher keeps a *window* of batches in flight (``Window``): at least ``min_window``,
+and one more for as long as each step up raised the rate the batches arrive at, up to the
+fetcher's ``max_parallel_prefetch``; when a step did not pay, it steps back and tries again
+later. The window follows what the link (and the store, and this node's CPU) delivers, not
+a count fixed for one kind of link.
+
 How, without getting in the way. Prefetch must never slow down the reads it is meant to
 speed up. The ``Prefetcher`` goes through the same ``SectorFetcher`` as on-demand reads, so a
 reader that wants a sector being prefetched waits on that fetch instead of duplicating it
 (and promotes it to on-demand priority). Its requests carry ``Priority.PREFETCH``: queued
-behind every on-demand request, and holding at most ``FetchConfig.max_parallel_prefetch``
-workers. It asks for a few sectors at a time (``batch_sectors``), so an on-demand read never
-waits behind much. An optional token bucket caps the bytes it pulls per second, so that a
+behind every on-demand and read-ahead request, so an on-demand read waits at most for what
+is already on the wire (the window, a few batches of ``batch_sectors``); and the fetcher
+lets a prefetch job that has waited too long behind them run, so prefetch is never starved
+for good either. An optional token bucket caps the bytes it pulls per second, so that a
 full prefetch does not saturate the node's link for its neighbours.
 
 The cache is shared by every image on the node, and prefetched sectors compete with all the
@@ -42,12 +56,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from imagetool.format import Index
 from snapshotter.config import PrefetchConfig, PrefetchMode
-from snapshotter.datapath.fetcher import Priority, SectorFetcher
-from snapshotter.errors import ClosedError, FetchError
+from snapshotter.datapath.fetcher import PrefetchBatch, SectorFetcher
+from snapshotter.errors import ClosedError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +103,57 @@ class TokenBucket:
             return max(0.0, -self._tokens / self.rate)
 
 
+class Window:
+    """How many batches to keep in flight: a hill climb on the rate batches complete at.
+
+    An *epoch* is ``size`` completions (and at least ``EPOCH_SECONDS``); its rate is the
+    bytes they delivered over its duration. After the first epoch the window grows by one;
+    while a step up raised the rate by at least ``GAIN``, it grows again; a step that did
+    not is taken back, and ``HOLD_EPOCHS`` epochs later the window probes one step up
+    again (links and loads change). Never below ``low`` nor above ``high``."""
+
+    GAIN = 0.10
+    EPOCH_SECONDS = 0.2
+    HOLD_EPOCHS = 4
+
+    def __init__(self, low: int, high: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.low = max(1, low)
+        self.high = max(self.low, high)
+        self.size = self.low
+        self._clock = clock
+        self._start = clock()
+        self._bytes = 0
+        self._done = 0
+        self._best: tuple[int, float] | None = None  # (size, rate) that last paid
+        self._hold = 0
+
+    def completed(self, nbytes: int) -> None:
+        """A batch of ``nbytes`` stored bytes arrived."""
+        self._bytes += nbytes
+        self._done += 1
+        now = self._clock()
+        elapsed = now - self._start
+        if self._done < self.size or elapsed < self.EPOCH_SECONDS:
+            return
+        rate = self._bytes / elapsed
+        self._start, self._bytes, self._done = now, 0, 0
+        if self._hold:
+            self._hold -= 1
+            if self._hold == 0 and self.size < self.high:
+                self._best = (self.size, rate)
+                self.size += 1  # probe again
+            return
+        if self._best is None or rate >= self._best[1] * (1 + self.GAIN):
+            self._best = (self.size, rate)
+            if self.size < self.high:
+                self.size += 1
+            else:
+                self._hold = self.HOLD_EPOCHS
+        else:  # the last step up did not pay
+            self.size = max(self.low, self._best[0])
+            self._hold = self.HOLD_EPOCHS
+
+
 class Prefetcher:
     """Runs a prefetch plan on a background thread; ``stop()`` ends it early."""
 
@@ -98,6 +164,7 @@ class Prefetcher:
         self.sectors = list(sectors)
         self.config = config or PrefetchConfig()
         self.fetched = 0  # sectors this prefetcher brought into the cache
+        self.window: Window | None = None  # batches it keeps in flight (once running)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lazyblock-prefetch", daemon=True)
         cfg = self.config
@@ -131,36 +198,53 @@ class Prefetcher:
     def _run(self) -> None:
         cfg, fetcher, index = self.config, self.fetcher, self.fetcher.index
         budget = cfg.max_cache_fraction * fetcher.cache.max_bytes
-        spent = 0
+        spent = 0  # decoded bytes asked for (the cache's measure)
         failures = 0
-        for i in range(0, len(self.sectors), cfg.batch_sectors):
-            if self._stop.is_set():
-                break
-            batch = fetcher.missing(self.sectors[i : i + cfg.batch_sectors])
-            if not batch:
-                continue
-            # The cache holds sectors decoded; the link carries them compressed.
-            cost = sum(index.sector_span(n)[1] for n in batch)
-            if spent + cost > budget:
-                log.info("prefetch: stopping at %d bytes, the cache's share for it", spent)
-                break
-            wire = sum(index.sectors[n].length for n in batch)
-            if self._bucket is not None and self._stop.wait(self._bucket.take(wire)):
-                break
-            try:
-                fetcher.get(batch, time.monotonic() + cfg.batch_timeout, Priority.PREFETCH)
-            except ClosedError:
-                break
-            except FetchError as e:
-                failures += 1
-                fetcher.metrics.prefetch_errors.inc()
-                log.warning("prefetch: batch failed (%d in a row): %s", failures, e)
-                if failures >= cfg.max_failures:
-                    log.warning("prefetch: giving up after %d failed batches", failures)
+        self.window = window = Window(cfg.min_window, fetcher.config.prefetch_workers)
+        pending: deque[PrefetchBatch] = deque()
+        i = 0
+        try:
+            while not self._stop.is_set():
+                # Fill the window, in plan order.
+                while i < len(self.sectors) and len(pending) < window.size:
+                    wanted = fetcher.missing(self.sectors[i : i + cfg.batch_sectors])
+                    i += cfg.batch_sectors
+                    if not wanted:
+                        continue
+                    # The cache holds sectors decoded; the link carries them compressed.
+                    cost = sum(index.sector_span(n)[1] for n in wanted)
+                    if spent + cost > budget:
+                        log.info("prefetch: stopping at %d bytes, the cache's share for it", spent)
+                        i = len(self.sectors)
+                        break
+                    wire = sum(index.sectors[n].length for n in wanted)
+                    if self._bucket is not None and self._stop.wait(self._bucket.take(wire)):
+                        return
+                    batch = fetcher.prefetch(wanted, time.monotonic() + cfg.batch_timeout)
+                    spent += cost
+                    if batch.sectors:
+                        pending.append(batch)
+                if not pending:
                     break
-                continue
-            failures = 0
-            spent += cost
-            self.fetched += len(batch)
-            fetcher.metrics.prefetched_sectors.inc(len(batch))
-        log.debug("prefetch: done, %d sectors fetched", self.fetched)
+                batch = pending.popleft()
+                while not batch.wait(0.1):
+                    if self._stop.is_set():
+                        return
+                if isinstance(error := batch.error, ClosedError):
+                    return
+                if error is not None:
+                    failures += 1
+                    fetcher.metrics.prefetch_errors.inc()
+                    log.warning("prefetch: batch failed (%d in a row): %s", failures, error)
+                    if failures >= cfg.max_failures:
+                        log.warning("prefetch: giving up after %d failed batches", failures)
+                        return
+                    continue
+                failures = 0
+                window.completed(batch.bytes)
+                self.fetched += len(batch.sectors)
+                fetcher.metrics.prefetched_sectors.inc(len(batch.sectors))
+        except ClosedError:
+            return
+        finally:
+            log.debug("prefetch: done, %d sectors fetched, window %d", self.fetched, window.size)

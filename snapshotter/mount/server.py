@@ -5,16 +5,16 @@ the foreground. In order, it:
 
 1. opens the store, resolves the reference, fetches the index (or takes it from the node's
    index cache, ``snapshotter.cache.indexes``) and verifies it (digest, format);
-2. fetches the metadata sectors (in parallel, through the fetcher: coalesced requests on
-   its workers) into the node's sector cache, while another thread asks the store for the
+2. starts the prefetcher (``snapshotter.datapath.prefetch``), then fetches the metadata
+   sectors (in parallel, through the fetcher: coalesced requests on its workers, ahead of
+   the prefetch) into the node's sector cache, while another thread asks the store for the
    data blob's size (it must match the index's; checked before step 5);
 3. serves the FUSE file (``snapshotter.mount.fuse`` over ``fusewire``) on its threads;
 4. puts the kernel's erofs on it at the mountpoint (``snapshotter.mount.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
 5. records itself (``snapshotter.mount.state``), opens its control socket and reports readiness;
-6. starts the prefetcher, then serves until the FUSE file system is unmounted (that is how
-   ``snapshotter umount`` ends it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts
-   erofs and FUSE itself).
+6. serves until the FUSE file system is unmounted (that is how ``snapshotter umount`` ends
+   it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts erofs and FUSE itself).
 
 The server owns nothing that outlives it but its state directory, which ``umount`` removes
 even after a crash: the erofs mount (a loop device is autoclear), the FUSE mount (aborted by
@@ -150,6 +150,10 @@ class MountServer:
             timeout=cfg.read_timeout,
             readahead_bytes=cfg.readahead_bytes,
         )
+        # Prefetch starts now, with the index verified: behind the metadata (an on-demand
+        # read) it keeps the link busy while the tree is mounted and the container starts.
+        self.prefetcher = Prefetcher.for_mount(self.fetcher, cfg.prefetch_config()).start()
+        phases.done("prefetch_start")
         try:
             self.fetcher.get(
                 range(self.index.metadata_sectors), time.monotonic() + cfg.mount_timeout
@@ -244,10 +248,8 @@ class MountServer:
     # --- serve ----------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Prefetch in the background and serve until unmounted or asked to stop."""
+        """Serve (the prefetch goes on in the background) until unmounted or asked to stop."""
         assert self.fetcher is not None and self._fuse_thread is not None
-        prefetch = self.config.prefetch_config()
-        self.prefetcher = Prefetcher.for_mount(self.fetcher, prefetch).start()
         metrics = self.fetcher.metrics
         trimmer = memory.Trimmer()
         while self._fuse_thread.is_alive():
@@ -346,6 +348,7 @@ class MountServer:
                 "planned": len(pf.sectors) if pf else 0,
                 "fetched": pf.fetched if pf else 0,
                 "running": bool(pf and pf.running),
+                "window": pf.window.size if pf and pf.window else 0,
             },
             "cache": {
                 "dir": str(self.config.cache_dir),

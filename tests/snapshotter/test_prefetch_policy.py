@@ -74,11 +74,32 @@ def test_prefetcher_warms_the_cache(
 
 
 def test_prefetcher_follows_the_plan_order(image: Image, store, make_fetcher: MakeFetcher) -> None:
-    fetcher = make_fetcher()
-    p = Prefetcher(fetcher, [30, 8, 2], PrefetchConfig(batch_sectors=1)).start()
+    # One batch at a time: exactly the plan's order.
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel_prefetch=1))
+    p = Prefetcher(fetcher, [30, 8, 2], PrefetchConfig(batch_sectors=1, min_window=1)).start()
     assert p.wait(10)
     sectors = image.index.sectors
     assert [o for o, _ in store.requests] == [sectors[n].offset for n in (30, 8, 2)]
+
+
+def test_a_window_of_batches_keeps_the_plan_order_within_the_window(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()  # 2 prefetch workers
+    sectors = image.index.sectors
+    firsts = {}  # one sector per content: repeats are fetched once
+    for n in range(39, 1, -3):
+        if not sectors[n].is_zero:
+            firsts.setdefault(sectors[n].checksum, n)
+    order = list(firsts.values())
+    p = Prefetcher(fetcher, order, PrefetchConfig(batch_sectors=1)).start()
+    assert p.wait(10)
+    by_offset = {image.index.sectors[n].offset: n for n in order}
+    asked = [by_offset[o] for o, _ in store.requests]
+    assert sorted(asked) == sorted(order)
+    # Batches in flight at once may reach the store in either order, no further apart.
+    width = p.window.size if p.window else 1
+    assert all(abs(order.index(n) - k) < max(2, width) for k, n in enumerate(asked)), asked
 
 
 def test_prefetcher_stops_on_request(image: Image, store, make_fetcher: MakeFetcher) -> None:
