@@ -101,6 +101,52 @@ class Registry:
         self._logf.close()
 
 
+class ForwardProxy:
+    """A real HTTP forward proxy on loopback (Debian's tinyproxy, in the foreground with its
+    own config): absolute-form requests for http URLs, CONNECT tunnels for https ones, with
+    ``user:secret`` Basic proxy authentication when given. ``log`` records each request."""
+
+    def __init__(self, root: Path, auth: tuple[str, str] | None = None) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.log = root / "tinyproxy.log"
+        config = root / "tinyproxy.conf"
+        config.write_text(
+            f"Port {self.port}\nListen 127.0.0.1\nTimeout 60\nMaxClients 64\n"
+            f'Allow 127.0.0.1\nLogFile "{self.log}"\nLogLevel Connect\n'
+            "DisableViaHeader Yes\n" + (f"BasicAuth {auth[0]} {auth[1]}\n" if auth else "")
+        )
+        userinfo = f"{auth[0]}:{auth[1]}@" if auth else ""
+        self.url = f"http://{userinfo}127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            ["tinyproxy", "-d", "-c", str(config)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_port(self.port)
+        except BaseException:
+            self.stop()
+            raise
+
+    def requests(self) -> list[str]:
+        """The request lines tinyproxy logged (``GET http://...``, ``CONNECT host:port``)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [
+            line.split("Request (file descriptor", 1)[1].split("): ", 1)[1].strip()
+            for line in text.splitlines()
+            if "Request (file descriptor" in line and "): " in line
+        ]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class PausableProxy:
     """A TCP proxy on loopback in front of ``127.0.0.1:upstream_port`` that can be made to
     hang, for fault tests of clients (threads; one pair of pumps per connection).
