@@ -42,7 +42,7 @@ from imagetool.format import (
     index_media_type,
     sha256_digest,
 )
-from imagetool.registry.client import RegistryClient
+from imagetool.registry.mirrors import HostChain
 from imagetool.stores._common import check_publishable, check_range
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import ImageRef, check_tag
@@ -64,7 +64,10 @@ class RegistryStore(Store):
     """One repository of an OCI registry."""
 
     def __init__(self, host: str, repository: str, options: StoreOptions | None = None) -> None:
-        self.client = RegistryClient(host, repository, options or StoreOptions())
+        # Blobs from the registry's mirrors first (a hosts directory's), the rest from its
+        # server (``client``).
+        self.hosts = HostChain(host, repository, options or StoreOptions())
+        self.client = self.hosts.server
         self.url = f"docker://{host}/{repository}"
         self.name = repository
         # Blob sizes named by the manifests resolve() read (a hint, never trusted alone).
@@ -77,11 +80,14 @@ class RegistryStore(Store):
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.read_range(digest, offset, length)
+        return self.hosts.read_range(digest, offset, length)
 
     def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.open_range(digest, offset, length)
+        return self.hosts.open_range(digest, offset, length)
+
+    def source_stats(self) -> list[dict[str, Any]]:
+        return self.hosts.stats()
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest. When a manifest this store
@@ -142,7 +148,7 @@ class RegistryStore(Store):
             return []
 
     def close(self) -> None:
-        self.client.close()
+        self.hosts.close()
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
