@@ -199,6 +199,7 @@ def namespace_names(registry: str) -> list[str]:
 def load_hosts_dir(root: Path, *, required: bool = False) -> HostsConfig:
     """Every namespace under ``root``. A missing ``root`` is an empty configuration (or a
     ``HostsConfigError`` when ``required``); a malformed file is a ``HostsConfigError``."""
+    root = Path(os.path.abspath(root))
     try:
         entries = sorted(p for p in root.iterdir() if p.is_dir())
     except FileNotFoundError:
