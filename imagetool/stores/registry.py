@@ -24,6 +24,7 @@ from typing import Any
 
 from imagetool.errors import (
     AuthError,
+    DigestMismatchError,
     FormatError,
     NotFoundError,
     StoreError,
@@ -93,19 +94,39 @@ class RegistryStore(Store):
         """A whole (small) blob, verified against its digest. When a manifest this store
         resolved gave the blob's size, that is one ranged read, without asking the registry
         for the size first (a round trip less when mounting); should that size be wrong, the
-        blob is read as any other."""
+        size is asked for. Bytes that do not match the digest are rejected (a mirror that
+        served them backs off) and read again from the next host, once per host."""
         size = self._manifest_sizes.get(digest)
         if size is not None:
             try:
-                data = self.read_range(digest, 0, size)
+                data = self._read_verified(digest, size)
             except (NotFoundError, AuthError, StoreTimeoutError):
                 raise
             except StoreError as e:
                 log.debug("%s: blob %s by its manifest size: %s", self.url, digest, e)
             else:
-                if sha256_digest(data) == digest:
+                if data is not None:
                     return data
-        return super().read_blob(digest)
+        size = self.blob_size(digest)
+        for _ in range(max(1, len(self.hosts.sources))):
+            data = self._read_verified(digest, size)
+            if data is not None:
+                return data
+        raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
+
+    def _read_verified(self, digest: str, size: int) -> bytes | None:
+        """The blob read as ``size`` bytes, or None (and the bytes rejected) when they do not
+        hash to ``digest``."""
+        if not self.hosts.mirrors:
+            data = self.read_range(digest, 0, size)
+            return data if sha256_digest(data) == digest else None
+        out = bytearray(size)
+        with self.open_range(digest, 0, size) as body:
+            body.readinto(memoryview(out))
+            if sha256_digest(out) == digest:
+                return bytes(out)
+            body.reject(f"blob {digest} does not match its digest")
+        return None
 
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
         del media_type  # registry blobs are untyped; the manifest gives the types

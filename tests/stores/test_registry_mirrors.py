@@ -240,3 +240,19 @@ def test_credentials_go_where_containerd_sends_them(tmp_path, mirror_factory) ->
         sent = [h.get("Authorization") for _, _, h in mirror.seen]
         assert sent[0] is None and f"Basic {secret}" in sent
         assert set(sent) == {None, f"Basic {secret}"}  # never alice's, never a token
+
+
+def test_whole_blobs_that_do_not_match_come_from_the_next_host(
+    registry, tmp_path, mirror_factory
+) -> None:
+    repo, digest = _push(registry.host, tmp_path)
+    mirror = mirror_factory(registry.host)
+    mirror.mode = "corrupt"
+    options = _hosts(
+        tmp_path, registry.host,
+        f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n',
+    )  # fmt: skip
+    with RegistryStore(registry.host, repo, options) as store:
+        assert store.read_blob(digest) == BLOB  # e.g. the index, at mount
+        mirror_stats, server_stats = store.source_stats()
+    assert mirror_stats["rejected"] == 1 and server_stats["bytes"] == len(BLOB)
