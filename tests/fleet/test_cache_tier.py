@@ -14,6 +14,8 @@ deploy/nginx/hosts.toml, starting the same converted image at once.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from support import require, require_fuse, require_tool
 from benchmarks.coldstart import netns
 from benchmarks.fleet import nodes as fleet
 from benchmarks.fleet.tier import NginxTier
+from snapshotter.prometheus import exposition
 
 NET = netns.NetConfig(
     namespace="lbfleet", host_if="lbf-host", remote_if="lbf-remote",
@@ -157,6 +160,22 @@ def test_four_nodes_through_the_tier_cost_the_registry_one(the_fleet, started, t
     mirror, server = r.sources
     assert r.checksum_errors >= 1 and mirror["rejected"] >= 1
     assert mirror["backoff_seconds"] > 0 and server["bytes"] > 0
+    # ... and so do the node's Prometheus metrics.
+    rejected = [
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition(victim.config()).decode().splitlines()
+        if line.startswith("lazyblock_source_requests_total{")
+        and 'outcome="rejected"' in line
+        and 'role="mirror"' in line
+    ]
+    assert rejected and rejected[0] >= 1
+    status = subprocess.run(
+        [sys.executable, "-m", "snapshotter.cli", "status",
+         "--state-dir", str(victim.root / "state"), "--cache-dir", str(victim.root / "cache"),
+         "--set", "store.registry_config_path="],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert f"mirror http://{tier.host}/v2: " in status and "rejected" in status
 
 
 def test_tier_killed_while_nodes_start(the_fleet, started, tmp_path):
