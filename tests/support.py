@@ -25,6 +25,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from benchmarks.coldstart.netns import stop_process
+
 REQUIRE_ALL = os.environ.get("LAZYBLOCK_REQUIRE_ALL") == "1"
 
 
@@ -94,13 +96,7 @@ class Registry:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._logf.close()
 
 
@@ -141,13 +137,7 @@ class ForwardProxy:
         ]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 class MirrorServer:

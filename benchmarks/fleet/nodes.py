@@ -88,6 +88,21 @@ def publish(archive: Path, ref: str) -> None:
         raise RuntimeError(f"imagetool convert failed: {proc.stderr.strip()}")
 
 
+def publish_startup_image(
+    remote_registry: str, work: Path, repo: str, files: int, size: int, startup_files: int,
+    seed: int,
+) -> tuple[str, dict[str, str]]:  # fmt: skip
+    """Build the image (``build_archive``), convert it into ``remote_registry`` under
+    ``repo:v1``; returns its reference and the files a start reads (the first
+    ``startup_files``, ``path -> sha256``)."""
+    archive = work / "image.tar"
+    digests = build_archive(archive, files, size, seed=seed)
+    ref = f"docker://{remote_registry}/{repo}:v1"
+    publish(archive, ref)
+    names = [f"data/part-{i:03d}.bin" for i in range(startup_files)]
+    return ref, {name: digests[name] for name in names}
+
+
 def repo_env() -> dict[str, str]:
     """This checkout first on PYTHONPATH: mount servers start in / and import it."""
     path = os.environ.get("PYTHONPATH", "")

@@ -98,13 +98,10 @@ def run(preset: netns.Preset, counts: list[int], rounds: int, work: Path) -> dic
     waves: list[dict[str, Any]] = []
     try:
         remote.start_registry(work / "registry-data")
-        archive = work / "image.tar"
-        digests = fleet.build_archive(archive, FILES, FILE_SIZE, seed=1000)
-        ref = f"docker://{remote.registry_host}/fleet/bench:v1"
-        fleet.publish(archive, ref)
+        ref, startup = fleet.publish_startup_image(
+            remote.registry_host, work, "fleet/bench", FILES, FILE_SIZE, STARTUP_FILES, 1000
+        )
         remote.shape(preset)
-        startup = {f"data/part-{i:03d}.bin": digests[f"data/part-{i:03d}.bin"]
-                   for i in range(STARTUP_FILES)}  # fmt: skip
         for r in range(rounds):
             for count in counts:
                 log.info("round %d, %d nodes", r + 1, count)

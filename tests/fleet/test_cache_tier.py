@@ -73,13 +73,10 @@ def the_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     remote.up()
     try:
         remote.start_registry(work / "registry-data")
-        archive = work / "image.tar"
-        digests = fleet.build_archive(archive, FILES, FILE_SIZE, seed=25)
-        ref = f"docker://{remote.registry_host}/fleet/app:v1"
-        fleet.publish(archive, ref)
+        ref, startup = fleet.publish_startup_image(
+            remote.registry_host, work, "fleet/app", FILES, FILE_SIZE, STARTUP_FILES, 25
+        )
         remote.shape(LINK)
-        startup = {f"data/part-{i:03d}.bin": digests[f"data/part-{i:03d}.bin"]
-                   for i in range(STARTUP_FILES)}  # fmt: skip
         yield Fleet(remote, ref, startup, work)
     finally:
         remote.close()

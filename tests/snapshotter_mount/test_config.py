@@ -92,11 +92,19 @@ def test_daemon_paths_given_relative_are_absolute(tmp_path, monkeypatch) -> None
     assert service.image_service_address == tmp_path / "cri.sock"
 
 
-def test_registry_hosts_directory(tmp_path: Path) -> None:
+def _hosts_toml(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """(hosts directory, its reg.example/hosts.toml holding ``text``)."""
     certs = tmp_path / "certs.d"
     (certs / "reg.example").mkdir(parents=True)
     hosts = certs / "reg.example" / "hosts.toml"
-    hosts.write_text('[host."http://cache.local:8080"]\n  capabilities = ["pull"]\n')
+    hosts.write_text(text)
+    return certs, hosts
+
+
+def test_registry_hosts_directory(tmp_path: Path) -> None:
+    certs, hosts = _hosts_toml(
+        tmp_path, '[host."http://cache.local:8080"]\n  capabilities = ["pull"]\n'
+    )
     cfg = load_config(None, {"store.registry_config_path": str(certs)}).mount
     assert cfg.registry_config_path == certs
     assert [h.url for h in cfg.store.registry_hosts.hosts_for("reg.example")] == [
@@ -119,10 +127,7 @@ def test_daemon_reads_the_hosts_directory_again_and_keeps_a_good_one(tmp_path: P
 
     from snapshotter.containerd.mounter import MountBackend
 
-    certs = tmp_path / "certs.d"
-    (certs / "reg.example").mkdir(parents=True)
-    hosts = certs / "reg.example" / "hosts.toml"
-    hosts.write_text('[host."http://one:80"]\n')
+    certs, hosts = _hosts_toml(tmp_path, '[host."http://one:80"]\n')
     cfg = load_config(None, {"store.registry_config_path": str(certs)}).mount
     backend = MountBackend(cfg)
 

@@ -59,6 +59,25 @@ def _hosts(tmp_path: Path, registry: str, toml: str) -> StoreOptions:
     )  # fmt: skip
 
 
+def _mirror_then_server(mirror: str, server: str) -> str:
+    return f'server = "http://{server}"\n[host."http://{mirror}"]\n'
+
+
+def _one_mirror(
+    registry, tmp_path: Path, mirror_factory, mode: str = "pass"
+) -> tuple[str, str, MirrorServer, StoreOptions]:
+    """The test blob pushed, and options with one mirror (in ``mode``) before the registry."""
+    repo, digest = _push(registry.host, tmp_path)
+    mirror = mirror_factory(registry.host)
+    mirror.mode = mode
+    return (
+        repo,
+        digest,
+        mirror,
+        _hosts(tmp_path, registry.host, _mirror_then_server(mirror.host, registry.host)),
+    )
+
+
 def _push(registry_host: str, tmp_path: Path) -> tuple[str, str]:
     repo = f"lb/mirror{uuid.uuid4().hex[:8]}"
     digest = "sha256:" + hashlib.sha256(BLOB).hexdigest()
@@ -118,12 +137,7 @@ def test_mirrors_first_in_order_with_ns_and_headers(registry, tmp_path, mirror_f
 
 
 def test_failing_mirror_backs_off_and_comes_back(registry, tmp_path, mirror_factory) -> None:
-    repo, digest = _push(registry.host, tmp_path)
-    mirror = mirror_factory(registry.host)
-    options = _hosts(
-        tmp_path, registry.host,
-        f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n',
-    )  # fmt: skip
+    repo, digest, mirror, options = _one_mirror(registry, tmp_path, mirror_factory)
     with RegistryStore(registry.host, repo, options) as store:
         mirror.mode = "error"
         assert store.read_range(digest, 0, 1000) == BLOB[:1000]  # from the server
@@ -156,12 +170,7 @@ def test_unreachable_mirror_costs_the_mirror_timeout(registry, tmp_path, mirror_
 def test_mirror_failing_mid_range_hands_over_the_rest(
     registry, tmp_path, mirror_factory, mode: str
 ) -> None:
-    repo, digest = _push(registry.host, tmp_path)
-    mirror = mirror_factory(registry.host)
-    options = _hosts(
-        tmp_path, registry.host,
-        f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n',
-    )  # fmt: skip
+    repo, digest, mirror, options = _one_mirror(registry, tmp_path, mirror_factory)
     mirror.mode, mirror.cut_after = mode, 100_000
     with RegistryStore(registry.host, repo, options) as store:
         data, _ = _read(store, digest, 10, 1_500_000, 65536)
@@ -176,13 +185,7 @@ def test_mirror_failing_mid_range_hands_over_the_rest(
 
 
 def test_rejected_bytes_back_the_mirror_off(registry, tmp_path, mirror_factory) -> None:
-    repo, digest = _push(registry.host, tmp_path)
-    mirror = mirror_factory(registry.host)
-    mirror.mode = "corrupt"
-    options = _hosts(
-        tmp_path, registry.host,
-        f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n',
-    )  # fmt: skip
+    repo, digest, mirror, options = _one_mirror(registry, tmp_path, mirror_factory, "corrupt")
     with RegistryStore(registry.host, repo, options) as store:
         data, body = _read(store, digest, 0, 4096)
         assert data != BLOB[:4096]  # the mirror lied; the caller checks (the fetcher does)
@@ -226,10 +229,7 @@ def test_credentials_go_where_containerd_sends_them(tmp_path, mirror_factory) ->
         docker_config = tmp_path / "config.json"
         secret = base64.b64encode(b"mirroruser:m").decode()
         docker_config.write_text(json.dumps({"auths": {mirror.host: {"auth": secret}}}))
-        options = _hosts(
-            tmp_path, reg.host,
-            f'server = "http://{reg.host}"\n[host."http://{mirror.host}"]\n',
-        )  # fmt: skip
+        options = _hosts(tmp_path, reg.host, _mirror_then_server(mirror.host, reg.host))
         options = dataclasses.replace(
             options, credentials=("alice", "wonder"), docker_config=docker_config
         )
@@ -245,13 +245,7 @@ def test_credentials_go_where_containerd_sends_them(tmp_path, mirror_factory) ->
 def test_whole_blobs_that_do_not_match_come_from_the_next_host(
     registry, tmp_path, mirror_factory
 ) -> None:
-    repo, digest = _push(registry.host, tmp_path)
-    mirror = mirror_factory(registry.host)
-    mirror.mode = "corrupt"
-    options = _hosts(
-        tmp_path, registry.host,
-        f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n',
-    )  # fmt: skip
+    repo, digest, mirror, options = _one_mirror(registry, tmp_path, mirror_factory, "corrupt")
     with RegistryStore(registry.host, repo, options) as store:
         assert store.read_blob(digest) == BLOB  # e.g. the index, at mount
         mirror_stats, server_stats = store.source_stats()
