@@ -200,6 +200,15 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 f"  stalled on the network: {f['stall_late_seconds']:.2f}s for sectors asked "
                 f"for too late, {f['stall_missing_seconds']:.2f}s for sectors not asked for"
             )
+            for src in s.get("sources", []):
+                backoff = src["backoff_seconds"]
+                click.echo(
+                    f"  {src['role']} {src['url']}: {src['requests']} requests, "
+                    f"{_human(src['bytes'])}; errors {src['errors']}, timeouts "
+                    f"{src['timeouts']}, rejected {src['rejected']}, not found "
+                    f"{src['not_found']}, skipped {src['skipped']}"
+                    + (f"; backing off {backoff:.0f}s" if backoff > 0 else "")
+                )
 
 
 def _ms(v: float | None) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 from imagetool.errors import (
     AuthError,
+    DigestMismatchError,
     FormatError,
     NotFoundError,
     StoreError,
@@ -42,7 +43,7 @@ from imagetool.format import (
     index_media_type,
     sha256_digest,
 )
-from imagetool.registry.client import RegistryClient
+from imagetool.registry.mirrors import HostChain
 from imagetool.stores._common import check_publishable, check_range
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import ImageRef, check_tag
@@ -64,7 +65,10 @@ class RegistryStore(Store):
     """One repository of an OCI registry."""
 
     def __init__(self, host: str, repository: str, options: StoreOptions | None = None) -> None:
-        self.client = RegistryClient(host, repository, options or StoreOptions())
+        # Blobs from the registry's mirrors first (a hosts directory's), the rest from its
+        # server (``client``).
+        self.hosts = HostChain(host, repository, options or StoreOptions())
+        self.client = self.hosts.server
         self.url = f"docker://{host}/{repository}"
         self.name = repository
         # Blob sizes named by the manifests resolve() read (a hint, never trusted alone).
@@ -77,29 +81,52 @@ class RegistryStore(Store):
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.read_range(digest, offset, length)
+        return self.hosts.read_range(digest, offset, length)
 
     def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.open_range(digest, offset, length)
+        return self.hosts.open_range(digest, offset, length)
+
+    def source_stats(self) -> list[dict[str, Any]]:
+        return self.hosts.stats()
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest. When a manifest this store
         resolved gave the blob's size, that is one ranged read, without asking the registry
         for the size first (a round trip less when mounting); should that size be wrong, the
-        blob is read as any other."""
+        size is asked for. Bytes that do not match the digest are rejected (a mirror that
+        served them backs off) and read again from the next host, once per host."""
         size = self._manifest_sizes.get(digest)
         if size is not None:
             try:
-                data = self.read_range(digest, 0, size)
+                data = self._read_verified(digest, size)
             except (NotFoundError, AuthError, StoreTimeoutError):
                 raise
             except StoreError as e:
                 log.debug("%s: blob %s by its manifest size: %s", self.url, digest, e)
             else:
-                if sha256_digest(data) == digest:
+                if data is not None:
                     return data
-        return super().read_blob(digest)
+        size = self.blob_size(digest)
+        for _ in range(max(1, len(self.hosts.sources))):
+            data = self._read_verified(digest, size)
+            if data is not None:
+                return data
+        raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
+
+    def _read_verified(self, digest: str, size: int) -> bytes | None:
+        """The blob read as ``size`` bytes, or None (and the bytes rejected) when they do not
+        hash to ``digest``."""
+        if not self.hosts.mirrors:
+            data = self.read_range(digest, 0, size)
+            return data if sha256_digest(data) == digest else None
+        out = bytearray(size)
+        with self.open_range(digest, 0, size) as body:
+            body.readinto(memoryview(out))
+            if sha256_digest(out) == digest:
+                return bytes(out)
+            body.reject(f"blob {digest} does not match its digest")
+        return None
 
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
         del media_type  # registry blobs are untyped; the manifest gives the types
@@ -142,7 +169,7 @@ class RegistryStore(Store):
             return []
 
     def close(self) -> None:
-        self.client.close()
+        self.hosts.close()
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:

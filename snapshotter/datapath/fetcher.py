@@ -701,6 +701,7 @@ class SectorFetcher:
                     except ChecksumError as e:
                         self.metrics.checksum_errors.inc()
                         log.warning("%s from %s; refetching", e, self.store.url)
+                        body.reject(str(e))  # a mirror that served it is skipped for a while
                         t.fail(e)
                         continue
                     if not t.claim(n):

@@ -335,6 +335,7 @@ class MountServer:
                 "blob_size": idx.blob_size,
             },
             "fetch": self.metrics.snapshot(),
+            "sources": self.store.source_stats(),
             "readahead_sectors": self.fetcher.readahead_sectors.value if self.fetcher else 0,
             "reads": {
                 "touched_sectors": len(touched),
