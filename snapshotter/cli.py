@@ -25,6 +25,7 @@ import click
 from imagetool.errors import ImageToolError
 from lazyblock.cli import ToolGroup
 from snapshotter import systemd
+from snapshotter.config import format_size
 from snapshotter.errors import SnapshotterError
 
 log = logging.getLogger("snapshotter")
@@ -171,8 +172,8 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
     if as_json:
         click.echo(json.dumps({"mounts": mounts, "cache": cache}, indent=2))
         return
-    click.echo(f"cache {cache['dir']}: {entries} sectors, {_human(used)} of "
-               f"{_human(cache['max_bytes'])}")  # fmt: skip
+    click.echo(f"cache {cache['dir']}: {entries} sectors, {format_size(used)} of "
+               f"{format_size(cache['max_bytes'])}")  # fmt: skip
     if not mounts:
         click.echo("no mounts")
     for m in mounts:
@@ -186,7 +187,7 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
             hits, misses = f["cache_hits"], f["cache_misses"]
             ratio = hits / (hits + misses) if hits + misses else 0.0
             click.echo(
-                f"  fetched {f['sectors_fetched']} sectors ({_human(f['bytes_fetched'])}) in "
+                f"  fetched {f['sectors_fetched']} sectors ({format_size(f['bytes_fetched'])}) in "
                 f"{f['store_requests']} requests; cache hits {hits} ({ratio:.0%}); "
                 f"latency p50 {_ms(lat['p50'])} p90 {_ms(lat['p90'])} p99 {_ms(lat['p99'])}"
             )
@@ -204,15 +205,6 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}ms"
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f}{unit}" if unit != "B" else f"{int(size)}B"
-        size /= 1024
-    return f"{n}B"
 
 
 @cli.command()
@@ -254,7 +246,7 @@ def cache_gc(config) -> None:  # noqa: ANN001
 
     c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
     freed = c.gc()
-    click.echo(f"freed {_human(freed)}; {len(c)} entries, {_human(c.usage())} in use")
+    click.echo(f"freed {format_size(freed)}; {len(c)} entries, {format_size(c.usage())} in use")
 
 
 @cache.command(name="clear")
