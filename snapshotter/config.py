@@ -342,6 +342,16 @@ def parse_size(value: object) -> int:
     return int(m.group(1)) << {"B": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
 
 
+def format_size(n: int) -> str:
+    """Bytes for people, in the binary units ``parse_size`` reads: ``1.5GiB``, ``512B``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f}{unit}" if unit != "B" else f"{int(size)}B"
+        size /= 1024
+    return f"{n}B"
+
+
 # section.key -> (converter, where it goes). "m." is a MountConfig field, "f." a FetchConfig
 # field, "s." a StoreOptions field, "c." a Config field, "d." a ServiceConfig field.
 def _bool(v: object) -> bool:

@@ -198,6 +198,27 @@ class RegistryClient:
                 media_type = str(json.loads(body).get("mediaType") or media_type)
         return body, media_type, digest
 
+    def ping(self) -> str | None:
+        """``GET /v2/`` without credentials (the distribution spec's API version check):
+        None if the registry lets anyone in, else the challenge of its 401
+        (``WWW-Authenticate``); ``StoreError`` if it does not answer as a registry."""
+        url = f"{self.base.split('/v2/', 1)[0]}/v2/"
+        try:
+            resp = self._http.get(url)
+        except httpx.TimeoutException:
+            raise StoreTimeoutError(
+                f"{self.host}: API version check: no answer within {self.options.timeout:g}s"
+            ) from None
+        except httpx.TransportError as e:
+            raise StoreError(
+                f"{self.host}: API version check: {type(e).__name__}: {one_line(e)}"
+            ) from None
+        if resp.status_code == 200:
+            return None
+        if resp.status_code == 401:
+            return resp.headers.get("WWW-Authenticate", "")
+        raise StoreError(f"{self.host}: API version check ({url}): HTTP {resp.status_code}")
+
     def has_blob(self, digest: str) -> bool:
         try:
             self.blob_size(digest)
