@@ -26,6 +26,7 @@ from imagetool.format import (
     BLOB_MEDIA_TYPE,
     DEFAULT_SECTOR_SIZE,
     DEFAULT_ZSTD_LEVEL,
+    Blob,
     Index,
     check_sector_size,
 )
@@ -131,13 +132,13 @@ def convert(
             sector_size=options.sector_size,
             sectors=packed.sectors,
             metadata_sectors=metadata_sectors,
-            blob_digest=packed.blob_digest,
-            blob_size=packed.blob_size,
+            blobs=(Blob(packed.blob_digest, packed.blob_size),),
             prefetch=_prefetch_order(plan.files, options, metadata_sectors, len(packed.sectors)),
             manifest_digest=source.manifest_digest,
             platform=source.platform,
             config=_run_config(source.config),
             files=plan.files,
+            version=1,
         )
         store.put_blob(packed.blob_digest, blob_path, BLOB_MEDIA_TYPE)
         digest = store.publish(ref.tag or "latest", index.to_blob())

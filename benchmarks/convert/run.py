@@ -159,7 +159,7 @@ def main() -> None:
     conv["mb_per_s"] = round(image_size / conv["seconds"] / 1e6, 1)
     results["imagetool"] = conv
     results["image"].update(
-        image_size=image_size, blob_size=info["blob"]["size"], files=info["files"],
+        image_size=image_size, blob_size=info["stored_bytes"], files=info["files"],
         sectors=info["sectors"],
     )  # fmt: skip
 
