@@ -83,6 +83,20 @@ def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> N
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Paths in first-access order; their data is laid out first.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
+@click.option(
+    "--format-version",
+    type=click.Choice(["1", "2"]),
+    default="2",
+    show_default=True,
+    help="Block image format: 2 lays data out per source layer (images that share "
+    "layers share blobs and sectors); 1 for readers that predate it.",
+)
+@click.option(
+    "--raw-saving",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    help="Store a sector raw when zstd saves less than this share of it (format 2; "
+    "default 0.10, 0 never).",
+)
 @click.option("--tmpdir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to stage the conversion (needs about the image size free).")  # fmt: skip
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
@@ -96,6 +110,8 @@ def convert(
     platform: str | None,
     profile: Path | None,
     workers: int | None,
+    format_version: str,
+    raw_saving: float | None,
     tmpdir: Path | None,
     quiet: bool,
 ) -> None:
@@ -108,12 +124,15 @@ def convert(
     from imagetool.convert import ConvertOptions, read_profile
     from imagetool.convert import convert as do_convert
 
+    more = {"raw_saving": raw_saving} if raw_saving is not None else {}
     options = ConvertOptions(
+        **more,
         sector_size=sector_size,
         level=level,
         platform=platform,
         profile=read_profile(profile) if profile else (),
         workers=workers,
+        format_version=int(format_version),
         tmpdir=tmpdir,
         store=_store_options(ctx),
     )

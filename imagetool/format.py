@@ -16,7 +16,7 @@ Version 2 (what ``imagetool convert`` writes)::
       "compression": "zstd",
       "checksum": "xxh3-128",
       "blobs": [{"digest": "sha256:...", "size": <bytes>, "role": "metadata"|"hot"|"layer",
-                 "layer": "sha256:<the source layer's descriptor digest>" or ""}, ...],
+                 "layer": "<the source layer's descriptor digest>" or ""}, ...],
       "sectors": [[blob, blob_offset, stored_length, xxh3_128_hex, "zstd"|"raw"|"zero"], ...],
       "metadata_sectors": <how many leading sectors hold all metadata>,
       "prefetch": [sector numbers, hottest first],
@@ -110,6 +110,10 @@ DEFAULT_SECTOR_SIZE = 4 << 20
 MIN_SECTOR_SIZE = 64 << 10
 MAX_SECTOR_SIZE = 64 << 20
 DEFAULT_ZSTD_LEVEL = 3
+# A sector whose zstd form saves less than this share of its size is stored raw (version 2):
+# then reading it costs a hash (xxh3: 0.02 CPU-s per GB) instead of a decompression (0.95
+# CPU-s per GB for fp16 weights, which zstd -3 saves 8 % of), benchmarks/format/README.md.
+DEFAULT_RAW_SAVING = 0.10
 # The index's zstd level: its JSON compresses best at low levels (9.7 MB of paths: level 1
 # 1.11 MB, 3 1.47 MB, 9 1.17 MB at ten times the time).
 INDEX_ZSTD_LEVEL = 1
@@ -160,6 +164,15 @@ def check_digest(digest: str) -> str:
     ):
         raise FormatError(f"invalid digest {digest!r}")
     return digest
+
+
+def check_layer_digest(digest: str) -> str:
+    """Validate a source layer's digest (``sha256:`` or ``sha512:``, as OCI allows) and
+    return it."""
+    algo, _, hexpart = digest.partition(":")
+    if algo == "sha512" and len(hexpart) == 128 and all(c in "0123456789abcdef" for c in hexpart):
+        return digest
+    return check_digest(digest)
 
 
 def check_sector_size(size: int) -> int:
@@ -303,7 +316,7 @@ class Index:
             if blob.role not in BLOB_ROLES:
                 raise FormatError(f"blob {blob.digest}: unknown role {blob.role!r}")
             if blob.layer:
-                check_digest(blob.layer)
+                check_layer_digest(blob.layer)
         self._check_sectors()
         for p in self.prefetch:
             if not 0 <= p < len(self.sectors):
