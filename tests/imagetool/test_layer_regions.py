@@ -5,6 +5,8 @@ sectors before it alone; incompressible sectors are stored raw."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from pathlib import Path
 
@@ -174,3 +176,28 @@ def test_whiteouts_and_replaced_files_read_back_as_the_tree_says(
     assert imagetool("cat", ref, "/model/config.json").out == '{"seed": 10}'
     verify = imagetool("verify", ref, "--against", f"oci:{tmp_path}/oci-w:v1").out
     assert " 0 bad" in verify and " 0 differ" in verify
+
+
+def test_inspect_shows_each_blob_and_verify_checks_each(tmp_path: Path) -> None:
+    index = _convert(tmp_path, "a", [BASE, LIBS, _top(10, 300_000)])
+    ref = f"{tmp_path}/store/a:v1"
+    info = json.loads(imagetool("inspect", ref).out)
+    assert info["format_version"] == 2 and info["raw_sectors"] > 0
+    assert [(b["digest"], b["size"], b["role"], b["source_layer"]) for b in info["blobs"]] == [
+        (b.digest, b.size, b.role, b.layer or None) for b in index.blobs
+    ]
+    manifest = json.loads((tmp_path / "oci-a/index.json").read_text())["manifests"][0]
+    layout = tmp_path / "oci-a" / "blobs" / "sha256"
+    layers = json.loads((layout / manifest["digest"].split(":")[1]).read_text())["layers"]
+    assert [b["source_layer"] for b in info["blobs"][1:]] == [d["digest"] for d in layers]
+    assert info["stored_bytes"] == sum(b["size"] for b in info["blobs"])
+    # Other bytes of the same size in the libs' blob: verify names the blob and its sectors.
+    libs = index.blobs[2]
+    path = tmp_path / "store/blobs/sha256" / libs.digest.split(":")[1]
+    os.chmod(path, 0o644)
+    path.write_bytes(random.Random(1).randbytes(libs.size))
+    res = imagetool("verify", ref, check=False)
+    assert res.code == 1
+    assert f"FAIL blob {libs.digest}: its bytes do not match its digest" in res.err
+    bad = sum(1 for s in index.sectors if s.blob == 2 and not s.is_zero)
+    assert f"{bad} bad; {len(index.blobs)} blobs checked, 1 bad" in res.out
