@@ -19,17 +19,20 @@ Needs root and erofs-utils.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from benchmarks.format.raw_sectors import save  # noqa: E402
 
 
 def _drop_caches() -> None:
@@ -158,9 +161,7 @@ def main() -> None:
     finally:
         unmount_all(work)
         shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k != "per_round"}, indent=2))
+    save(results, args.out, "per_round")
 
 
 if __name__ == "__main__":

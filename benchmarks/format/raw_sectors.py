@@ -176,9 +176,14 @@ def main() -> None:
         results["rounds"] = args.rounds
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k != "kinds"}, indent=2))
+    save(results, args.out, "kinds")
+
+
+def save(results: dict, out: Path, detail: str) -> None:
+    """Write ``results`` to ``out`` (JSON) and print them but their ``detail`` key."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k != detail}, indent=2))
 
 
 if __name__ == "__main__":
