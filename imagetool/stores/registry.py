@@ -5,13 +5,17 @@ under the tag, whose
 
 - config is a standard OCI image config: architecture/os from the index's platform, the
   source image's ``config`` (Entrypoint, Env, User, WorkingDir, ...), and ``rootfs.diff_ids``
-  = [data blob digest, index digest];
-- layers are [the data blob (``format.BLOB_MEDIA_TYPE``), the index
-  (``format.INDEX_MEDIA_TYPE``)], annotated with ``format.ANNOTATION_ROLE`` and, on the index
-  layer and the manifest, ``ANNOTATION_INDEX_DIGEST``/``ANNOTATION_BLOB_DIGEST``.
+  = [each data blob's digest, index digest];
+- layers are [each data blob of the index, in its order (``format.BLOB_MEDIA_TYPE``), the
+  index (``format.INDEX_MEDIA_TYPE``)], annotated with ``format.ANNOTATION_ROLE`` and, on
+  the index layer and the manifest, ``ANNOTATION_INDEX_DIGEST``/``ANNOTATION_BLOB_DIGEST``;
+  a version 2 image's data blob layers also say which region they hold and of which source
+  layer (``ANNOTATION_BLOB_ROLE``, ``ANNOTATION_SOURCE_LAYER``).
 
 So any distribution-spec registry that honours ``Range`` can hold block images, and
-``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs.
+``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs:
+a data blob that another image (or tag) already pushed is not uploaded again, and a registry
+keeps it once, as it does an ordinary layer shared by two images.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from imagetool.errors import (
 )
 from imagetool.format import (
     ANNOTATION_BLOB_DIGEST,
+    ANNOTATION_BLOB_ROLE,
     ANNOTATION_INDEX_DIGEST,
     ANNOTATION_ROLE,
     ANNOTATION_SNAPSHOT_ROLE,
+    ANNOTATION_SOURCE_LAYER,
     BLOB_MEDIA_TYPE,
     INDEX_MEDIA_TYPE,
     INDEX_MEDIA_TYPES,
@@ -187,7 +193,10 @@ def image_config(index: Index, index_digest: str) -> bytes:
         "architecture": arch or "amd64",
         "os": os_ or "linux",
         "config": index.config,
-        "rootfs": {"type": "layers", "diff_ids": [index.blob_digest, index_digest]},
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": [*(b.digest for b in index.blobs), index_digest],
+        },
     }
     if variant:
         doc["variant"] = variant
@@ -198,18 +207,27 @@ def image_manifest(
     index: Index, index_digest: str, index_blob: bytes, config_digest: str, config: bytes
 ) -> bytes:
     """The OCI image manifest of a block image (deterministic bytes)."""
-    digests = {ANNOTATION_INDEX_DIGEST: index_digest, ANNOTATION_BLOB_DIGEST: index.blob_digest}
+    digests = {
+        ANNOTATION_INDEX_DIGEST: index_digest,
+        ANNOTATION_BLOB_DIGEST: ",".join(b.digest for b in index.blobs),
+    }
+    blobs = []
+    for b in index.blobs:
+        annotations = {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"}
+        if index.version > 1:
+            annotations[ANNOTATION_BLOB_ROLE] = b.role
+            if b.layer:
+                annotations[ANNOTATION_SOURCE_LAYER] = b.layer
+        blobs.append(
+            {"mediaType": BLOB_MEDIA_TYPE, "digest": b.digest, "size": b.size,
+             "annotations": annotations}
+        )  # fmt: skip
     doc = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
         "layers": [
-            {
-                "mediaType": BLOB_MEDIA_TYPE,
-                "digest": index.blob_digest,
-                "size": index.blob_size,
-                "annotations": {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"},
-            },
+            *blobs,
             {
                 "mediaType": index_media_type(index_blob),
                 "digest": index_digest,

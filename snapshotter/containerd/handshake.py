@@ -6,7 +6,7 @@ ID and ``containerd.io/snapshot/remote`` = ``remote`` - and answer ALREADY_EXIST
 then finds it (a List with ``labels."containerd.io/snapshot.ref"==<chainID>,parent==
 <parent>``), records it as the layer's snapshot and never fetches the layer blob.
 
-The blob layer becomes an empty committed snapshot; the index layer's snapshot is the
+Each data blob layer becomes an empty committed snapshot; the index layer's snapshot is the
 mounted block image (``mounter.MountBackend``: FUSE + erofs, metadata first), so the image's
 root file system is the index layer's snapshot and a container is an overlay with it as the
 lower layer. ``restore`` and ``ensure_mounted`` remount the images whose mount is gone (a

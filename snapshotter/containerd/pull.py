@@ -314,7 +314,7 @@ def _lazyblock_layers(
         )
     if set(roles) != {ROLE_BLOB, ROLE_INDEX}:
         raise PullError(
-            f"{name}: layers of roles {roles} are not a lazyblock block image (a data blob "
+            f"{name}: layers of roles {roles} are not a lazyblock block image (data blobs "
             "and an index); convert the image again with imagetool"
         )
     return layers, config
