@@ -211,7 +211,7 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 backoff = src["backoff_seconds"]
                 click.echo(
                     f"  {src['role']} {src['url']}: {src['requests']} requests, "
-                    f"{_human(src['bytes'])}; errors {src['errors']}, timeouts "
+                    f"{format_size(src['bytes'])}; errors {src['errors']}, timeouts "
                     f"{src['timeouts']}, rejected {src['rejected']}, not found "
                     f"{src['not_found']}, skipped {src['skipped']}"
                     + (f"; backing off {backoff:.0f}s" if backoff > 0 else "")
