@@ -357,6 +357,14 @@ def registry_blob_bytes(registry: Registry, digest: str, since: int = 0) -> int:
     return total
 
 
+def registry_data_bytes(registry: Registry, manifest: dict, since: int = 0) -> tuple[int, int]:
+    """(bytes the registry sent of a block image's data blobs after ``since``, their size):
+    every layer but the index (one in format v1; metadata, layers and hot copies in v2)."""
+    data = [d for d in manifest["layers"] if d["annotations"].get("dev.lazyblock.role") == "blob"]
+    read = sum(registry_blob_bytes(registry, d["digest"], since) for d in data)
+    return read, sum(d["size"] for d in data)
+
+
 def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> list[str]:
     """Snapshots left in ``namespace`` once containerd's garbage collection settles."""
     deadline = time.monotonic() + timeout
