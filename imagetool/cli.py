@@ -83,6 +83,20 @@ def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> N
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Paths in first-access order; their data is laid out first.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
+@click.option(
+    "--format-version",
+    type=click.Choice(["1", "2"]),
+    default="2",
+    show_default=True,
+    help="Block image format: 2 lays data out per source layer (images that share "
+    "layers share blobs and sectors); 1 for readers that predate it.",
+)
+@click.option(
+    "--raw-saving",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    help="Store a sector raw when zstd saves less than this share of it (format 2; "
+    "default 0.10, 0 never).",
+)
 @click.option("--tmpdir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to stage the conversion (needs about the image size free).")  # fmt: skip
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
@@ -96,6 +110,8 @@ def convert(
     platform: str | None,
     profile: Path | None,
     workers: int | None,
+    format_version: str,
+    raw_saving: float | None,
     tmpdir: Path | None,
     quiet: bool,
 ) -> None:
@@ -108,12 +124,15 @@ def convert(
     from imagetool.convert import ConvertOptions, read_profile
     from imagetool.convert import convert as do_convert
 
+    more = {"raw_saving": raw_saving} if raw_saving is not None else {}
     options = ConvertOptions(
+        **more,
         sector_size=sector_size,
         level=level,
         platform=platform,
         profile=read_profile(profile) if profile else (),
         workers=workers,
+        format_version=int(format_version),
         tmpdir=tmpdir,
         store=_store_options(ctx),
     )
@@ -122,9 +141,9 @@ def convert(
         result = do_convert(source, dest, options, progress=progress)
     idx = result.index
     log.info(
-        "%d sectors, %s image -> %s stored in %.1fs",
-        idx.sector_count, _human(idx.image_size), _human(idx.blob_size),
-        time.monotonic() - started,
+        "%d sectors, %s image -> %s stored in %d blobs in %.1fs",
+        idx.sector_count, _human(idx.image_size), _human(sum(b.size for b in idx.blobs)),
+        len(idx.blobs), time.monotonic() - started,
     )  # fmt: skip
     click.echo(result.index_digest)
 
@@ -174,28 +193,45 @@ def inspect(ctx: click.Context, ref: str, whole_index: bool) -> None:
         if whole_index:
             click.echo(idx.to_bytes().decode())
             return
-        stored = [s for s in idx.sectors if not s.is_zero]
-        summary = {
-            "reference": ref,
-            "index_digest": img.digest,
-            "format_version": 1,
-            "filesystem": "erofs",
-            "image_size": idx.image_size,
-            "sector_size": idx.sector_size,
-            "sectors": idx.sector_count,
-            "stored_sectors": len(stored),
-            "zero_sectors": idx.sector_count - len(stored),
-            "metadata_sectors": idx.metadata_sectors,
-            "prefetch_sectors": len(idx.prefetch),
-            "blob": {"digest": idx.blob_digest, "size": idx.blob_size},
-            "compression_ratio": round(idx.image_size / idx.blob_size, 3)
-            if idx.blob_size
-            else None,
-            "files": len(idx.files),
-            "source": {"manifest_digest": idx.manifest_digest, "platform": idx.platform},
-            "config": idx.config,
-        }
+        summary = _summary(ref, img.digest, idx)
     click.echo(json.dumps(summary, indent=2))
+
+
+def _summary(ref: str, digest: str, idx) -> dict:  # noqa: ANN001
+    """``inspect``'s document: the image, and each data blob with the region it holds (the
+    source layer it came from) and its sectors."""
+    stored = [s for s in idx.sectors if not s.is_zero]
+    blobs = [
+        {"digest": b.digest, "size": b.size, "role": b.role, "source_layer": b.layer or None,
+         "sectors": 0, "raw_sectors": 0, "image_bytes": 0}
+        for b in idx.blobs
+    ]  # fmt: skip
+    for n, s in enumerate(idx.sectors):
+        if not s.is_zero:
+            blobs[s.blob]["sectors"] += 1
+            blobs[s.blob]["raw_sectors"] += s.raw
+            blobs[s.blob]["image_bytes"] += idx.sector_span(n)[1]
+    stored_bytes = sum(b.size for b in idx.blobs)
+    return {
+        "reference": ref,
+        "index_digest": digest,
+        "format_version": idx.version,
+        "filesystem": "erofs",
+        "image_size": idx.image_size,
+        "sector_size": idx.sector_size,
+        "sectors": idx.sector_count,
+        "stored_sectors": len(stored),
+        "raw_sectors": sum(1 for s in stored if s.raw),
+        "zero_sectors": idx.sector_count - len(stored),
+        "metadata_sectors": idx.metadata_sectors,
+        "prefetch_sectors": len(idx.prefetch),
+        "stored_bytes": stored_bytes,
+        "blobs": blobs,
+        "compression_ratio": round(idx.image_size / stored_bytes, 3) if stored_bytes else None,
+        "files": len(idx.files),
+        "source": {"manifest_digest": idx.manifest_digest, "platform": idx.platform},
+        "config": idx.config,
+    }
 
 
 @cli.command(name="ls")
@@ -327,11 +363,12 @@ def verify(ctx: click.Context, ref: str, source: str | None, platform: str | Non
             with open_source(source, platform=platform or img.index.platform or None,
                              options=options) as src:  # fmt: skip
                 compare_tree(img.image.filesystem(), source_tree(src), report)
-    for line in report.bad_sectors + report.differences[:50]:
+    for line in report.bad_sectors + report.bad_blobs + report.differences[:50]:
         click.echo(f"FAIL {line}", err=True)
     if len(report.differences) > 50:
         click.echo(f"... and {len(report.differences) - 50} more differences", err=True)
-    summary = f"{report.sectors} sectors checked, {len(report.bad_sectors)} bad"
+    summary = f"{report.sectors} sectors checked, {len(report.bad_sectors)} bad; "
+    summary += f"{report.blobs} blobs checked, {len(report.bad_blobs)} bad"
     if source:
         summary += f"; {report.files} entries compared, {len(report.differences)} differ"
     click.echo(summary)

@@ -4,28 +4,35 @@ Pipeline, each stage streaming:
 
 1. read every layer once, front to back, applying it to the in-memory tree; file contents go
    to a spool file on local disk (``imagetool.tree``);
-2. lay the tree out as EROFS: metadata first, file data in layout order (``erofs.writer``);
+2. lay the tree out as EROFS: metadata first, then file data, in regions per source layer
+   (format version 2) or in layout order (version 1) (``erofs.writer``);
 3. assemble sectors from the plan and the spool, compress and checksum them in parallel into
-   a local blob file (``imagetool.pack``);
-4. upload the data blob, then publish the index under the tag: the one commit point. A failure
-   anywhere before it leaves no index behind, only unreferenced temporary files, which are
-   removed.
+   local blob files, one per region (``imagetool.pack``);
+4. upload the data blobs (those the store already holds, from another image with the same
+   layers, are not sent again), then publish the index under the tag: the one commit point.
+   A failure anywhere before it leaves no index behind, only unreferenced temporary files,
+   which are removed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imagetool.erofs.writer import plan_erofs
+from imagetool.erofs.writer import plan_erofs, plan_erofs_regions
+from imagetool.errors import FormatError
 from imagetool.format import (
     BLOB_MEDIA_TYPE,
+    DEFAULT_RAW_SAVING,
     DEFAULT_SECTOR_SIZE,
     DEFAULT_ZSTD_LEVEL,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    Blob,
+    FileExtent,
     Index,
     check_sector_size,
 )
@@ -52,6 +59,10 @@ class ConvertOptions:
     platform: str | None = None
     profile: tuple[str, ...] = ()  # paths in first-access order; their data goes first
     workers: int | None = None  # compression threads; default: one per CPU
+    format_version: int = FORMAT_VERSION
+    # A sector whose zstd form saves less than this share of its size is stored raw (format
+    # version 2 only): see DEFAULT_RAW_SAVING.
+    raw_saving: float = DEFAULT_RAW_SAVING
     tmpdir: Path | None = None  # where the spool and blob are staged
     store: StoreOptions = field(default_factory=StoreOptions)
 
@@ -80,6 +91,7 @@ def build_tree(source: SourceImage, sink: ContentSink, progress: Progress | None
     tree = Tree()
     on_read = (lambda size: progress("read", size, None)) if progress is not None else None
     for n, layer in enumerate(source.layers):
+        sink.begin_layer(layer.digest)
         with source.open_layer(layer) as stream, ReadAhead(stream, on_read) as ahead:
             apply_layer(tree, ahead, sink, f"{n} ({layer.digest[:19]})")  # type: ignore[arg-type]
     return tree
@@ -92,6 +104,10 @@ def convert(
     progress: Progress | None = None,
 ) -> ConvertResult:
     check_sector_size(options.sector_size)
+    if options.format_version not in FORMAT_VERSIONS:
+        raise FormatError(f"no block image format version {options.format_version}")
+    if not 0.0 <= options.raw_saving < 1.0:
+        raise FormatError(f"raw saving must be in [0, 1), got {options.raw_saving}")
     ref = parse_ref(dest)
     if ref.digest:
         from imagetool.errors import InvalidReferenceError
@@ -104,58 +120,67 @@ def convert(
     ):
         work = Path(tmp)
         with open(work / "spool", "w+b") as spool:
-            tree = build_tree(source, SpoolSink(spool), progress)
+            sink = SpoolSink(spool)
+            tree = build_tree(source, sink, progress)
             spool.flush()
-            plan = plan_erofs(tree, order=options.profile)
-            del tree
-            blob_path = work / "blob"
+            if options.format_version == 1:
+                plan = plan_erofs(tree, order=options.profile)
+            else:
+                plan = plan_erofs_regions(
+                    tree, sink.layers, options.sector_size, order=options.profile
+                )
+            del tree, sink
             total = plan.size
 
             def report(n: int) -> None:
                 if progress is not None:
                     progress("pack", n, total)
 
-            with open(blob_path, "wb") as out:
-                packed = pack(
-                    iter_sectors(plan, spool.fileno(), options.sector_size),
-                    out,
-                    level=options.level,
-                    workers=options.workers,
-                    progress=report,
-                )
-                out.flush()
-                os.fsync(out.fileno())
+            packed = pack(
+                iter_sectors(plan, spool.fileno(), options.sector_size),
+                plan.regions,
+                options.sector_size,
+                work,
+                level=options.level,
+                raw_saving=options.raw_saving if options.format_version > 1 else 0.0,
+                workers=options.workers,
+                progress=report,
+            )
         metadata_sectors = -(-len(plan.metadata) // options.sector_size)
         index = Index(
             image_size=plan.size,
             sector_size=options.sector_size,
             sectors=packed.sectors,
             metadata_sectors=metadata_sectors,
-            blob_digest=packed.blob_digest,
-            blob_size=packed.blob_size,
+            blobs=tuple(
+                Blob(b.digest, b.size, b.region.role, b.region.layer) for b in packed.blobs
+            ),
             prefetch=_prefetch_order(plan.files, options, metadata_sectors, len(packed.sectors)),
             manifest_digest=source.manifest_digest,
             platform=source.platform,
             config=_run_config(source.config),
             files=plan.files,
+            version=options.format_version,
         )
-        store.put_blob(packed.blob_digest, blob_path, BLOB_MEDIA_TYPE)
+        for blob in packed.blobs:
+            store.put_blob(blob.digest, blob.path, BLOB_MEDIA_TYPE)
         digest = store.publish(ref.tag or "latest", index.to_blob())
         log.info("published %s:%s as %s", ref.name, ref.tag, digest)
         return ConvertResult(digest, index)
 
 
 def _prefetch_order(
-    files: Sequence, options: ConvertOptions, metadata_sectors: int, count: int
+    files: Sequence[FileExtent], options: ConvertOptions, metadata_sectors: int, count: int
 ) -> tuple[int, ...]:
     """Sectors of the profile's files, in first-access order (metadata is fetched at mount)."""
     if not options.profile:
         return ()
-    wanted = set(options.profile)
+    by_path = {f.path: f for f in files}
     order: list[int] = []
     seen = set(range(metadata_sectors))
-    for f in files:  # files are in layout order: profile files first
-        if f.path not in wanted:
+    for path in options.profile:
+        f = by_path.get(path)
+        if f is None:
             continue
         first = f.offset // options.sector_size
         last = (f.offset + f.length - 1) // options.sector_size

@@ -9,6 +9,7 @@
     │   └── ErofsError                    a malformed or unsupported EROFS image
     ├── ChecksumError                     a sector whose bytes do not match the index
     ├── InvalidReferenceError (ValueError) a store or image reference that cannot be parsed
+    ├── HostsConfigError (ValueError)     a malformed registry hosts directory (hosts.toml)
     └── StoreError                        a store failed (I/O, network, refused)
         ├── NotFoundError (KeyError)      a blob, tag or image that does not exist
         ├── AuthError                     the store refused our credentials
@@ -50,6 +51,10 @@ class ChecksumError(ImageToolError):
 
 class InvalidReferenceError(ImageToolError, ValueError):
     """An image or store reference that cannot be parsed."""
+
+
+class HostsConfigError(ImageToolError, ValueError):
+    """A registry hosts directory (containerd's ``hosts.toml``) that is malformed."""
 
 
 class StoreError(ImageToolError):

@@ -1,36 +1,89 @@
-"""The lazyblock block image format, version 1. This module is its only owner.
+"""The lazyblock block image format, versions 1 and 2. This module is its only owner.
 
 A block image is an EROFS filesystem image (uncompressed, 4096-byte blocks) cut into
-fixed-size *sectors*. Each sector is compressed on its own with zstd; the *data blob* is the
-concatenation of the compressed sectors. All-zero sectors are not stored. The *index* is a
-canonical JSON document that describes the image:
+fixed-size *sectors*. Each sector is stored on its own: compressed with zstd (one frame) or,
+in version 2, *raw* (its bytes as they are, when zstd would save too little). All-zero
+sectors are not stored. Stored sectors are concatenated into *data blobs*; the *index* is a
+canonical JSON document that describes the image and names the blobs.
+
+Version 2 (what ``imagetool convert`` writes)::
 
     {
-      "version": 1,
+      "version": 2,
       "filesystem": {"type": "erofs", "block_size": 4096},
       "image_size": <bytes of the uncompressed filesystem image>,
       "sector_size": <power of two, default 4 MiB>,
       "compression": "zstd",
       "checksum": "xxh3-128",
-      "sectors": [[blob_offset, compressed_length, xxh3_128_hex], ...],
+      "blobs": [{"digest": "sha256:...", "size": <bytes>, "role": "metadata"|"hot"|"layer",
+                 "layer": "<the source layer's descriptor digest>" or ""}, ...],
+      "sectors": [[blob, blob_offset, stored_length, xxh3_128_hex, "zstd"|"raw"|"zero"], ...],
       "metadata_sectors": <how many leading sectors hold all metadata>,
       "prefetch": [sector numbers, hottest first],
-      "blob": {"digest": "sha256:...", "size": <bytes>},
       "source": {"manifest_digest": "sha256:...", "platform": "linux/amd64",
                  "config": {<OCI image config: Entrypoint, Cmd, Env, User, WorkingDir, ...>}},
-      "files": [[path, image_offset, length], ...]   # regular files with data, layout order
+      "files": [[path, image_offset, length], ...]   # regular files with data, by offset
     }
 
+Each stored sector names its blob (a position in ``blobs``) and its byte range there. The
+sectors of one blob, in sector order, are packed from its first byte to its last
+(``blob_offset`` 0, then each one where the previous ended, ``size`` in all), so a run of
+sectors that is contiguous in one blob is one ranged read. A ``"zero"`` sector has blob 0,
+offset 0 and length 0 and is in no blob. A ``"raw"`` sector's stored bytes are its
+uncompressed bytes (``stored_length`` is the sector's size): reading it costs a hash, not a
+decompression. The last sector may be shorter than ``sector_size`` (the writer pads version 2
+images to a whole number of sectors, see below).
+
+Version 2's layout (``imagetool.erofs.writer.plan_erofs_regions``) puts the filesystem image
+in *regions*, each starting on a sector boundary and each stored as one blob:
+
+* ``metadata``: superblock, inodes, xattrs, directories and long symlinks (blocks from 0);
+  image-specific and small.
+* ``hot`` (only with a startup profile), one per source layer that holds profile files
+  smaller than a sector: copies of those files, in that layer's tar order, packed (block
+  aligned). The files' inodes point at these copies, so the files a start reads first are
+  in few sectors; the layer regions keep their own bytes, so they stay shared. Tar order
+  rather than first-access order, so two images whose profiles read the same files of a
+  layer have the same hot region (and blob) for it.
+* ``layer``, one per source layer with file data, in layer order: every regular file that
+  layer's tar holds, in tar order, block aligned, a file of at least one sector starting on
+  a sector boundary. A file that an upper layer replaces or deletes keeps its bytes in its
+  layer's region, unreferenced (as the OCI layer itself keeps them).
+
+A region's bytes depend on nothing but its source layer (and the conversion options), so an
+unchanged layer gives the same sectors (the node cache, keyed by checksum, shares them) and,
+zstd being deterministic for one level and version, the same blob digest (stores and
+registries keep it once). A changed layer changes its own region and the metadata; the
+regions of layers above it are untouched. A file of a sector or more starts a new sector,
+so one that changes size leaves the sectors of the files before it alone. The image is
+padded with zeros (not stored) to a whole number of sectors, so a region's last sector is
+whole wherever the region sits.
+
+Why one EROFS image with regions, not one EROFS image per layer (overlaid, or as erofs
+extra devices): the kernel mount path stays one FUSE file and one erofs mount, the tree is
+flattened once at conversion (whiteouts, opaque directories and hard links across layers
+are resolved there, not by overlayfs at every lookup: an overlay of 6 layer images walked
+a 27,500-file tree 1.24-1.29x slower and mounted 1.8x slower than the one image of the same
+files, ``benchmarks/format/README.md``), and the sharing is the same: it comes from the
+regions' bytes, not from how they are mounted. Why hot copies rather than profile order
+inside the layer regions: a region laid out by one image's profile would differ between
+images, and with it the blob; copies cost the hot files' bytes once more (per image and
+layer, and the same blob for images whose profiles read the same files of a layer).
+
+Version 1 (still read everywhere; ``imagetool convert --format-version 1`` writes it) has no
+``blobs``: ``"blob": {"digest": ..., "size": ...}`` names the one data blob, sector rows are
+``[blob_offset, compressed_length, xxh3_128_hex]`` (length 0: all zeros), every stored sector
+is zstd, the image is laid out metadata first and then file data in layout order (profile
+files first), and ``files`` is in layout order.
+
 The index is stored as that document compressed into one zstd frame (media type
-``INDEX_MEDIA_TYPE``; a 200,000-file image's 9.7 MB of JSON is 1.1 MB), and named by the sha256
-of the stored bytes. Readers also accept it uncompressed (``INDEX_JSON_MEDIA_TYPE``, what
-images written before compression carry).
+``INDEX_MEDIA_TYPE``, for both versions: the document says which; a 200,000-file image's 9.7
+MB of JSON is 1.1 MB), and named by the sha256 of the stored bytes. Readers also accept it
+uncompressed (``INDEX_JSON_MEDIA_TYPE``, what images written before compression carry).
 
-A sector entry with ``compressed_length == 0`` is an all-zero sector (not in the blob). The
-checksum is always over the *uncompressed* bytes of the sector; the last sector may be
-shorter than ``sector_size``. Blobs are named by the sha256 of their bytes.
-
-Readers never return bytes that ``Index.decode_sector`` has not verified.
+The checksum is always over the *uncompressed* bytes of the sector. Blobs are named by the
+sha256 of their bytes. Readers never return bytes that ``Index.decode_sector`` (or
+``decode_sector_into``, ``verify_raw``) has not verified.
 """
 
 from __future__ import annotations
@@ -51,7 +104,8 @@ import zstandard
 
 from imagetool.errors import ChecksumError, FormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the converter writes
+FORMAT_VERSIONS = (1, 2)  # what readers read
 FS_TYPE = "erofs"
 # EROFS block size; equal to the page size so the kernel maps blocks straight to pages.
 FS_BLOCK_SIZE = 4096
@@ -61,6 +115,10 @@ DEFAULT_SECTOR_SIZE = 4 << 20
 MIN_SECTOR_SIZE = 64 << 10
 MAX_SECTOR_SIZE = 64 << 20
 DEFAULT_ZSTD_LEVEL = 3
+# A sector whose zstd form saves less than this share of its size is stored raw (version 2):
+# then reading it costs a hash (xxh3: 0.02 CPU-s per GB) instead of a decompression (0.95
+# CPU-s per GB for fp16 weights, which zstd -3 saves 8 % of), benchmarks/format/README.md.
+DEFAULT_RAW_SAVING = 0.10
 # The index's zstd level: its JSON compresses best at low levels (9.7 MB of paths: level 1
 # 1.11 MB, 3 1.47 MB, 9 1.17 MB at ten times the time).
 INDEX_ZSTD_LEVEL = 1
@@ -69,6 +127,10 @@ MAX_INDEX_BYTES = 1 << 30
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 COMPRESSION = "zstd"
 CHECKSUM = "xxh3-128"
+# A version 2 sector's encoding.
+ENCODINGS = (ENCODING_ZSTD, ENCODING_RAW, ENCODING_ZERO) = ("zstd", "raw", "zero")
+# Blob roles: v1's one blob; v2's metadata, hot-copy and source-layer regions.
+BLOB_ROLES = (ROLE_DATA, ROLE_METADATA, ROLE_HOT, ROLE_LAYER) = ("data", "metadata", "hot", "layer")
 
 # Media types of the index and data blob. Both sit under "application/vnd.oci.image.layer.":
 # containerd 1.6/1.7 only treats such media types as layers (images.IsLayerType), and only
@@ -83,7 +145,9 @@ ANNOTATION_SNAPSHOT_ROLE = "containerd.io/snapshot/lazyblock.role"
 # Annotations put on the layers of a block image pushed to an OCI registry.
 ANNOTATION_ROLE = "dev.lazyblock.role"  # "index" or "blob"
 ANNOTATION_INDEX_DIGEST = "dev.lazyblock.index.digest"
-ANNOTATION_BLOB_DIGEST = "dev.lazyblock.blob.digest"
+ANNOTATION_BLOB_DIGEST = "dev.lazyblock.blob.digest"  # the data blobs' digests, comma-separated
+ANNOTATION_BLOB_ROLE = "dev.lazyblock.blob.role"  # a data blob's Blob.role
+ANNOTATION_SOURCE_LAYER = "dev.lazyblock.source.layer"  # a data blob's Blob.layer
 
 
 def sha256_digest(data: bytes) -> str:
@@ -107,6 +171,15 @@ def check_digest(digest: str) -> str:
     return digest
 
 
+def check_layer_digest(digest: str) -> str:
+    """Validate a source layer's digest (``sha256:`` or ``sha512:``, as OCI allows) and
+    return it."""
+    algo, _, hexpart = digest.partition(":")
+    if algo == "sha512" and len(hexpart) == 128 and all(c in "0123456789abcdef" for c in hexpart):
+        return digest
+    return check_digest(digest)
+
+
 def check_sector_size(size: int) -> int:
     if size < MIN_SECTOR_SIZE or size > MAX_SECTOR_SIZE or size & (size - 1):
         raise FormatError(
@@ -118,15 +191,35 @@ def check_sector_size(size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Sector:
-    """Where one sector lives in the data blob. ``length == 0`` means all zeros."""
+    """Where one sector lives: ``length`` bytes at ``offset`` of blob number ``blob``,
+    zstd-compressed or (``raw``) as they are. ``length == 0`` means all zeros."""
 
     offset: int
     length: int
     checksum: str
+    blob: int = 0
+    raw: bool = False
 
     @property
     def is_zero(self) -> bool:
         return self.length == 0
+
+    @property
+    def encoding(self) -> str:
+        if self.length == 0:
+            return ENCODING_ZERO
+        return ENCODING_RAW if self.raw else ENCODING_ZSTD
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """One data blob of an image: its digest and size, which region of the image it holds
+    (``role``) and, for a region of a source layer, that layer's digest."""
+
+    digest: str
+    size: int
+    role: str = ROLE_DATA
+    layer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,17 +294,19 @@ class Index:
     sector_size: int
     sectors: tuple[Sector, ...]
     metadata_sectors: int
-    blob_digest: str
-    blob_size: int
+    blobs: tuple[Blob, ...]
     prefetch: tuple[int, ...] = ()
     manifest_digest: str = ""
     platform: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     files: Sequence[FileExtent] = ()  # a tuple, or the parser's FileMap
     block_size: int = FS_BLOCK_SIZE
+    version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         check_sector_size(self.sector_size)
+        if self.version not in FORMAT_VERSIONS:
+            raise FormatError(f"unsupported block image format version {self.version!r}")
         if self.block_size != FS_BLOCK_SIZE:
             raise FormatError(f"unsupported filesystem block size {self.block_size}")
         expected = -(-self.image_size // self.sector_size)
@@ -219,19 +314,40 @@ class Index:
             raise FormatError(f"index has {len(self.sectors)} sectors, image size needs {expected}")
         if not 0 <= self.metadata_sectors <= len(self.sectors):
             raise FormatError("metadata_sectors out of range")
-        check_digest(self.blob_digest)
-        end = 0
-        for s in self.sectors:
-            if s.is_zero:
-                continue
-            if s.offset != end or s.length < 0:
-                raise FormatError("sector table is not a packed sequence of blob ranges")
-            end += s.length
-        if end != self.blob_size:
-            raise FormatError(f"sectors cover {end} blob bytes, blob has {self.blob_size}")
+        if self.version == 1 and (len(self.blobs) != 1 or self.blobs[0].role != ROLE_DATA):
+            raise FormatError("a version 1 index names exactly one data blob")
+        for blob in self.blobs:
+            check_digest(blob.digest)
+            if blob.role not in BLOB_ROLES:
+                raise FormatError(f"blob {blob.digest}: unknown role {blob.role!r}")
+            if blob.layer:
+                check_layer_digest(blob.layer)
+        self._check_sectors()
         for p in self.prefetch:
             if not 0 <= p < len(self.sectors):
                 raise FormatError(f"prefetch names sector {p}, which does not exist")
+
+    def _check_sectors(self) -> None:
+        """Each blob's sectors, in sector order, are a packed sequence of its ranges that
+        ends at its size; a raw sector's stored length is its size."""
+        ends = [0] * len(self.blobs)
+        for n, s in enumerate(self.sectors):
+            if s.is_zero:
+                if self.version > 1 and (s.blob or s.offset or s.raw):
+                    raise FormatError(f"sector {n}: an all-zero sector names a blob range")
+                continue
+            if not 0 <= s.blob < len(self.blobs):
+                raise FormatError(f"sector {n} names blob {s.blob}, which does not exist")
+            if s.raw and (self.version == 1 or s.length != self.sector_span(n)[1]):
+                raise FormatError(f"sector {n}: raw, but {s.length} bytes stored")
+            if s.offset != ends[s.blob] or s.length < 0:
+                raise FormatError("sector table is not a packed sequence of blob ranges")
+            ends[s.blob] += s.length
+        for blob, end in zip(self.blobs, ends, strict=True):
+            if end != blob.size:
+                raise FormatError(
+                    f"sectors cover {end} bytes of blob {blob.digest}, which has {blob.size}"
+                )
 
     # --- geometry -------------------------------------------------------------------------
 
@@ -251,10 +367,14 @@ class Index:
         end = min(self.image_size, offset + length)
         return range(offset // self.sector_size, (end - 1) // self.sector_size + 1)
 
+    def blob_of(self, number: int) -> Blob:
+        """The blob that holds sector ``number`` (not an all-zero one)."""
+        return self.blobs[self.sectors[number].blob]
+
     # --- sector decoding ------------------------------------------------------------------
 
     def decode_sector(self, number: int, stored: bytes) -> bytes:
-        """Decompress and verify sector ``number`` from its stored bytes.
+        """Decode and verify sector ``number`` from its stored bytes.
 
         Raises ``ChecksumError`` for anything that does not decode to exactly the bytes the
         index names; this is the one place sector bytes are checked.
@@ -266,10 +386,10 @@ class Index:
             if sector_checksum(data) != entry.checksum:
                 raise ChecksumError(f"sector {number}: checksum mismatch")
             return data
-        if len(stored) != entry.length:
-            raise ChecksumError(
-                f"sector {number}: got {len(stored)} stored bytes, expected {entry.length}"
-            )
+        self._check_stored_length(number, stored)
+        if entry.raw:
+            self.verify_raw(number, stored)
+            return bytes(stored)
         try:
             return decode_stored(stored, entry.checksum, size)
         except ChecksumError as e:
@@ -278,19 +398,38 @@ class Index:
     def decode_sector_into(self, number: int, stored: bytes | memoryview, out: memoryview) -> None:
         """``decode_sector`` into ``out`` (exactly the sector's size, not all zeros): the
         caller's memory instead of new bytes. Raises ``ChecksumError`` as ``decode_sector``
-        does, and then what ``out`` holds is not the sector: it must not be used."""
+        does, and then what ``out`` holds is not the sector: it must not be used. A raw
+        sector received straight into its memory needs no copy: ``verify_raw``."""
         entry = self.sectors[number]
         _, size = self.sector_span(number)
         if entry.is_zero or len(out) != size:
             raise ValueError(f"sector {number}: {len(out)} bytes of room, not {size} stored")
-        if len(stored) != entry.length:
-            raise ChecksumError(
-                f"sector {number}: got {len(stored)} stored bytes, expected {entry.length}"
-            )
+        self._check_stored_length(number, stored)
+        if entry.raw:
+            out[:] = stored
+            self.verify_raw(number, out)
+            return
         try:
             decode_stored_into(stored, entry.checksum, out)
         except ChecksumError as e:
             raise ChecksumError(f"sector {number}: {e}") from None
+
+    def verify_raw(self, number: int, data: bytes | memoryview) -> None:
+        """Check that ``data``, the stored bytes of raw sector ``number``, are that sector:
+        its size and checksum. Raises ``ChecksumError`` (or ``ValueError`` for a sector
+        that is not raw)."""
+        entry = self.sectors[number]
+        if not entry.raw:
+            raise ValueError(f"sector {number} is not stored raw")
+        if len(data) != entry.length or sector_checksum(data) != entry.checksum:
+            raise ChecksumError(f"sector {number}: checksum mismatch")
+
+    def _check_stored_length(self, number: int, stored: bytes | memoryview) -> None:
+        if len(stored) != self.sectors[number].length:
+            raise ChecksumError(
+                f"sector {number}: got {len(stored)} stored bytes, "
+                f"expected {self.sectors[number].length}"
+            )
 
     # --- files ----------------------------------------------------------------------------
 
@@ -316,17 +455,15 @@ class Index:
     # --- serialisation --------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": FORMAT_VERSION,
+        doc: dict[str, Any] = {
+            "version": self.version,
             "filesystem": {"type": FS_TYPE, "block_size": self.block_size},
             "image_size": self.image_size,
             "sector_size": self.sector_size,
             "compression": COMPRESSION,
             "checksum": CHECKSUM,
-            "sectors": [[s.offset, s.length, s.checksum] for s in self.sectors],
             "metadata_sectors": self.metadata_sectors,
             "prefetch": list(self.prefetch),
-            "blob": {"digest": self.blob_digest, "size": self.blob_size},
             "source": {
                 "manifest_digest": self.manifest_digest,
                 "platform": self.platform,
@@ -334,6 +471,18 @@ class Index:
             },
             "files": [[f.path, f.offset, f.length] for f in self.files],
         }
+        if self.version == 1:
+            doc["sectors"] = [[s.offset, s.length, s.checksum] for s in self.sectors]
+            doc["blob"] = {"digest": self.blobs[0].digest, "size": self.blobs[0].size}
+        else:
+            doc["sectors"] = [
+                [s.blob, s.offset, s.length, s.checksum, s.encoding] for s in self.sectors
+            ]
+            doc["blobs"] = [
+                {"digest": b.digest, "size": b.size, "role": b.role, "layer": b.layer}
+                for b in self.blobs
+            ]
+        return doc
 
     def to_bytes(self) -> bytes:
         """Canonical JSON: the same index always has the same bytes, hence the same digest."""
@@ -372,7 +521,7 @@ class Index:
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Index:
         version = doc.get("version")
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS:
             raise FormatError(f"unsupported block image format version {version!r}")
         try:
             fs = doc["filesystem"]
@@ -381,24 +530,41 @@ class Index:
             if doc["compression"] != COMPRESSION or doc["checksum"] != CHECKSUM:
                 raise FormatError("unsupported compression or checksum algorithm")
             source = doc.get("source", {})
+            if version == 1:
+                sectors = tuple(Sector(_int(o), _int(n), _hex(c)) for o, n, c in doc["sectors"])
+                blob = doc["blob"]
+                blobs: tuple[Blob, ...] = (Blob(str(blob["digest"]), _int(blob["size"])),)
+            else:
+                sectors = tuple(_sector_v2(row) for row in doc["sectors"])
+                blobs = tuple(
+                    Blob(str(b["digest"]), _int(b["size"]), str(b["role"]), str(b["layer"]))
+                    for b in doc["blobs"]
+                )
             return cls(
                 image_size=_int(doc["image_size"]),
                 sector_size=_int(doc["sector_size"]),
-                sectors=tuple(Sector(_int(o), _int(n), _hex(c)) for o, n, c in doc["sectors"]),
+                sectors=sectors,
                 metadata_sectors=_int(doc["metadata_sectors"]),
                 prefetch=tuple(_int(p) for p in doc.get("prefetch", [])),
-                blob_digest=str(doc["blob"]["digest"]),
-                blob_size=_int(doc["blob"]["size"]),
+                blobs=blobs,
                 manifest_digest=str(source.get("manifest_digest", "")),
                 platform=str(source.get("platform", "")),
                 config=dict(source.get("config", {})),
                 files=_file_map(doc["files"]),
                 block_size=_int(fs["block_size"]),
+                version=version,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, FormatError):
                 raise
             raise FormatError(f"malformed index: {type(e).__name__}: {e}") from None
+
+
+def _sector_v2(row: Any) -> Sector:
+    blob, offset, length, checksum, encoding = row
+    if encoding not in ENCODINGS or ((encoding == ENCODING_ZERO) != (length == 0)):
+        raise FormatError(f"sector encoding {encoding!r} with {length!r} bytes stored")
+    return Sector(_int(offset), _int(length), _hex(checksum), _int(blob), encoding == ENCODING_RAW)
 
 
 def index_media_type(blob: bytes) -> str:
@@ -489,9 +655,33 @@ def coalesce(numbers: Iterable[int]) -> list[range]:
     return runs
 
 
-def blob_range(index: Index, run: range) -> tuple[int, int]:
-    """(offset, length) in the data blob covering the stored sectors of a run."""
+def blob_runs(index: Index, numbers: Iterable[int]) -> list[list[int]]:
+    """The stored sectors among ``numbers`` grouped into runs that are contiguous in one blob
+    (each sector begins where the one before it in the run ended: only all-zero sectors, or
+    other blobs' sectors, lie between them), each run one ranged read; by first sector."""
+    sectors = index.sectors
+    runs: list[list[int]] = []
+    latest: dict[int, list[int]] = {}  # blob -> its run so far
+    for n in sorted(set(numbers)):
+        s = sectors[n]
+        if s.is_zero:
+            continue
+        run = latest.get(s.blob)
+        if run is not None:
+            p = sectors[run[-1]]
+            if p.offset + p.length == s.offset:
+                run.append(n)
+                continue
+        latest[s.blob] = [n]
+        runs.append(latest[s.blob])
+    return runs
+
+
+def blob_range(index: Index, run: Sequence[int]) -> tuple[Blob, int, int]:
+    """(blob, offset, length) covering the stored sectors of ``run`` (stored sectors
+    contiguous in one blob, as ``blob_runs`` makes them; all-zero ones are skipped)."""
     stored = [index.sectors[n] for n in run if not index.sectors[n].is_zero]
     if not stored:
-        return 0, 0
-    return stored[0].offset, stored[-1].offset + stored[-1].length - stored[0].offset
+        raise ValueError("a run of all-zero sectors is in no blob")
+    first, last = stored[0], stored[-1]
+    return index.blobs[first.blob], first.offset, last.offset + last.length - first.offset

@@ -1,9 +1,10 @@
 """Read a published block image straight from its store, without mounting.
 
 ``BlockImage.read_at`` serves any byte range of the uncompressed filesystem image: it fetches
-the sectors it needs with ranged reads (adjacent sectors in one request), verifies each one
-with ``Index.decode_sector`` and keeps a few decoded sectors in memory. This is what
-``imagetool ls/cat/verify/raw`` use; the snapshotter has its own cached, concurrent reader.
+the sectors it needs with ranged reads (sectors adjacent in one blob in one request),
+verifies each one with ``Index.decode_sector`` and keeps a few decoded sectors in memory.
+This is what ``imagetool ls/cat/verify/raw`` use; the snapshotter has its own cached,
+concurrent reader.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from imagetool.erofs.reader import ErofsReader
 from imagetool.errors import FormatError
-from imagetool.format import Index, blob_range, coalesce
+from imagetool.format import Index, blob_range, blob_runs, coalesce
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import Store, StoreOptions
 
@@ -68,13 +69,18 @@ class BlockImage:
             self._sectors.popitem(last=False)
 
     def fetch_run(self, run: range) -> Iterator[tuple[int, bytes]]:
-        """Verified sectors of a run of consecutive sector numbers (one ranged read)."""
-        offset, length = blob_range(self.index, run)
-        stored = self.store.read_range(self.index.blob_digest, offset, length) if length else b""
+        """Verified sectors of a run of consecutive sector numbers, in order: one ranged
+        read for each part of it that is contiguous in one blob."""
+        index = self.index
+        fetched: dict[int, bytes] = {}
+        for part in blob_runs(index, run):
+            blob, offset, length = blob_range(index, part)
+            stored = self.store.read_range(blob.digest, offset, length)
+            for n in part:
+                lo = index.sectors[n].offset - offset
+                fetched[n] = index.decode_sector(n, stored[lo : lo + index.sectors[n].length])
         for n in run:
-            entry = self.index.sectors[n]
-            lo = entry.offset - offset
-            yield n, self.index.decode_sector(n, stored[lo : lo + entry.length])
+            yield n, fetched[n] if n in fetched else index.decode_sector(n, b"")
 
     def iter_all(self, run_bytes: int = 64 << 20) -> Iterator[tuple[int, bytes]]:
         """Every sector in order, verified, fetched in runs of about ``run_bytes``."""
@@ -110,8 +116,9 @@ def open_image(ref_text: str, options: StoreOptions = StoreOptions()) -> OpenedI
     try:
         digest = store.resolve_ref(ref)
         index = Index.from_bytes(store.read_blob(digest))
-        if store.blob_size(index.blob_digest) != index.blob_size:
-            raise FormatError(f"data blob {index.blob_digest} has the wrong size")
+        for blob in index.blobs:
+            if store.blob_size(blob.digest) != blob.size:
+                raise FormatError(f"data blob {blob.digest} has the wrong size")
     except BaseException:
         store.close()
         raise

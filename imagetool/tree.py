@@ -99,21 +99,40 @@ class Tree:
 class ContentSink:
     """Where regular file contents go while flattening."""
 
+    def begin_layer(self, digest: str) -> None:  # noqa: B027 - optional hook
+        """The files written from now on come from the source layer ``digest``."""
+
     def write_file(self, node: Node, stream: BinaryIO, size: int) -> None:
         raise NotImplementedError
 
 
+@dataclass
+class LayerFiles:
+    """The regular files one source layer's tar holds, in tar order: the ones an upper layer
+    replaced or deleted too (their bytes are still in the spool)."""
+
+    digest: str
+    nodes: list[Node] = field(default_factory=list)
+
+
 class SpoolSink(ContentSink):
-    """Append contents to a spool file; nodes remember offset and size."""
+    """Append contents to a spool file; nodes remember offset and size. ``layers``: the
+    files of each layer, in the order they were written."""
 
     def __init__(self, spool: BinaryIO) -> None:
         self.spool = spool
         self.offset = spool.seek(0, os.SEEK_END)
+        self.layers: list[LayerFiles] = []
+
+    def begin_layer(self, digest: str) -> None:
+        self.layers.append(LayerFiles(digest))
 
     def write_file(self, node: Node, stream: BinaryIO, size: int) -> None:
         node.spool_offset = self.offset
         node.size = _copy(stream, size, self.spool.write)
         self.offset += node.size
+        if self.layers:
+            self.layers[-1].nodes.append(node)
 
 
 class HashSink(ContentSink):

@@ -3,8 +3,9 @@
 The same in ``imagetool``, ``snapshotter``, ``serving`` and ``runtime``:
 
     0    success
-    1    a check failed: ``imagetool verify`` found differences, ``runtime evaluate``'s
-         quality gate failed (the command says what, then exits 1)
+    1    a check failed: ``imagetool verify`` found differences, ``snapshotter check`` a
+         node that cannot pull lazily, ``runtime evaluate``'s quality gate failed (the
+         command says what, then exits 1)
     2    usage: a bad option or argument (Click's message, with the usage line)
     3    an error of the tool, or of a local file: one line on stderr,
          ``PROG: error: Kind: message``

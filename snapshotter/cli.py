@@ -4,9 +4,9 @@ Every command reads the configuration file (``--config``, default
 ``/etc/lazyblock/config.toml``); every key in it can be overridden with
 ``--set section.key=value`` and the common ones have their own flags.
 
-Exit codes are every lazyblock command's (``lazyblock.cli``): 0 success, 2 usage error, 3
-any snapshotter or imagetool error (one line: ``snapshotter: error: <Type>: <message>``),
-130 interrupted.
+Exit codes are every lazyblock command's (``lazyblock.cli``): 0 success, 1 ``check`` found a
+problem that stops lazy pulls, 2 usage error, 3 any snapshotter or imagetool error (one line:
+``snapshotter: error: <Type>: <message>``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 import click
 
 from imagetool.errors import ImageToolError
-from lazyblock.cli import ToolGroup
+from lazyblock.cli import EXIT_CHECK_FAILED, ToolGroup
 from snapshotter import systemd
+from snapshotter.config import format_size
 from snapshotter.errors import SnapshotterError
 
 log = logging.getLogger("snapshotter")
@@ -53,12 +54,7 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from snapshotter.config import load_config
 
-        overrides: dict[str, object] = {}
-        for item in kwargs.pop("sets"):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise click.BadParameter(f"{item!r} is not SECTION.KEY=VALUE", param_hint="--set")
-            overrides[key.strip()] = value.strip()
+        overrides = _overrides(kwargs.pop("sets"))
         for flag, key in (("cache_dir", "cache.dir"), ("cache_size", "cache.size"),
                           ("state_dir", "state.dir")):  # fmt: skip
             value = kwargs.pop(flag)
@@ -77,6 +73,17 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
         return func(*args, **kwargs)
 
     return wrapper
+
+
+def _overrides(sets: tuple[str, ...]) -> dict[str, object]:
+    """``--set SECTION.KEY=VALUE`` options as ``load_config`` takes them."""
+    overrides: dict[str, object] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r} is not SECTION.KEY=VALUE", param_hint="--set")
+        overrides[key.strip()] = value.strip()
+    return overrides
 
 
 @click.group("snapshotter", cls=ToolGroup, errors=(SnapshotterError, ImageToolError))
@@ -171,8 +178,8 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
     if as_json:
         click.echo(json.dumps({"mounts": mounts, "cache": cache}, indent=2))
         return
-    click.echo(f"cache {cache['dir']}: {entries} sectors, {_human(used)} of "
-               f"{_human(cache['max_bytes'])}")  # fmt: skip
+    click.echo(f"cache {cache['dir']}: {entries} sectors, {format_size(used)} of "
+               f"{format_size(cache['max_bytes'])}")  # fmt: skip
     if not mounts:
         click.echo("no mounts")
     for m in mounts:
@@ -186,7 +193,7 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
             hits, misses = f["cache_hits"], f["cache_misses"]
             ratio = hits / (hits + misses) if hits + misses else 0.0
             click.echo(
-                f"  fetched {f['sectors_fetched']} sectors ({_human(f['bytes_fetched'])}) in "
+                f"  fetched {f['sectors_fetched']} sectors ({format_size(f['bytes_fetched'])}) in "
                 f"{f['store_requests']} requests; cache hits {hits} ({ratio:.0%}); "
                 f"latency p50 {_ms(lat['p50'])} p90 {_ms(lat['p90'])} p99 {_ms(lat['p99'])}"
             )
@@ -200,19 +207,19 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 f"  stalled on the network: {f['stall_late_seconds']:.2f}s for sectors asked "
                 f"for too late, {f['stall_missing_seconds']:.2f}s for sectors not asked for"
             )
+            for src in s.get("sources", []):
+                backoff = src["backoff_seconds"]
+                click.echo(
+                    f"  {src['role']} {src['url']}: {src['requests']} requests, "
+                    f"{format_size(src['bytes'])}; errors {src['errors']}, timeouts "
+                    f"{src['timeouts']}, rejected {src['rejected']}, not found "
+                    f"{src['not_found']}, skipped {src['skipped']}"
+                    + (f"; backing off {backoff:.0f}s" if backoff > 0 else "")
+                )
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}ms"
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f}{unit}" if unit != "B" else f"{int(size)}B"
-        size /= 1024
-    return f"{n}B"
 
 
 @cli.command()
@@ -254,7 +261,7 @@ def cache_gc(config) -> None:  # noqa: ANN001
 
     c = SectorCache(config.mount.cache_dir, config.mount.cache_size)
     freed = c.gc()
-    click.echo(f"freed {_human(freed)}; {len(c)} entries, {_human(c.usage())} in use")
+    click.echo(f"freed {format_size(freed)}; {len(c)} entries, {format_size(c.usage())} in use")
 
 
 @cache.command(name="clear")
@@ -338,6 +345,55 @@ def pull(
         f"{result.manifest_digest}, {len(result.snapshots)} layers as remote snapshots of "
         f"{snapshotter_name!r} (top {result.snapshots[-1]})"
     )
+
+
+@cli.command()
+@click.option("--containerd-config", type=click.Path(dir_okay=False, path_type=Path),
+              default="/etc/containerd/config.toml", show_default=True,
+              help="containerd's configuration file.")  # fmt: skip
+@click.option("--containerd-address", type=click.Path(dir_okay=False, path_type=Path),
+              help="containerd's socket [default: its config's [grpc] address, else "
+              "/run/containerd/containerd.sock].")  # fmt: skip
+@click.option("--snapshotter", "snapshotter_name", default="lazyblock", show_default=True,
+              help="containerd's name for lazyblock's proxy snapshotter.")  # fmt: skip
+@click.option("--registry", "registries", multiple=True, metavar="HOST|REF",
+              help="Also check a registry, or resolve an image in it (repeatable).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="lazyblock's config [default: /etc/lazyblock/config.toml].")  # fmt: skip
+@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a key of lazyblock's configuration (repeatable).")  # fmt: skip
+def check(
+    containerd_config: Path, containerd_address: Path | None, snapshotter_name: str,
+    registries: tuple[str, ...], as_json: bool, config_path: Path | None, sets: tuple[str, ...],
+) -> int:  # fmt: skip
+    """Check this node for lazy pulls: containerd, the daemon, the kernel, directories.
+
+    One line per check: 'ok', 'warn' (works, or one client path is not lazy) or 'FAIL' (a
+    lazy pull cannot work), each with its fix. Exits 1 if any check failed. Reads
+    containerd's configuration (version 2 for 1.6/1.7, 3 for 2.x) and asks the running
+    containerd and lazyblock's daemon over their sockets; changes nothing.
+    """
+    from snapshotter.containerd.nodecheck import CheckOptions, check_node, failed
+
+    options = CheckOptions(
+        containerd_config=containerd_config, containerd_address=containerd_address,
+        snapshotter=snapshotter_name, config_path=config_path, overrides=_overrides(sets),
+        registries=registries,
+    )  # fmt: skip
+    checks = check_node(options)
+    if as_json:
+        doc = {"ok": not failed(checks), "checks": [c.to_dict() for c in checks]}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        for c in checks:
+            label = {"ok": "ok", "warn": "warn", "fail": "FAIL"}[c.status]
+            fix = f" \N{EM DASH} fix: {c.fix}" if c.fix and c.status != "ok" else ""
+            click.echo(f"{label:<4} {c.message}{fix}")
+    return EXIT_CHECK_FAILED if failed(checks) else 0
+
+
+cli.add_command(check, name="doctor")
 
 
 def main() -> None:

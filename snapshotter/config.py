@@ -13,7 +13,8 @@ Every key is documented in ``deploy/config.toml.example``.
     [fetch]     max_parallel, max_parallel_prefetch, request_timeout, retries, backoff_base,
                 backoff_max, deadline, max_request_bytes, max_stuck_requests,
                 timeout_memory
-    [store]     plain_http, timeout, retries, docker_config
+    [store]     plain_http, timeout, retries, docker_config, registry_config_path,
+                mirror_timeout, mirror_backoff
     [metrics]   listen                                      -> Config.metrics_listen
     [snapshotter] address, root, insecure_registries, workers, remount_interval,
                 image_service_address, containerd_address   -> ServiceConfig (``serve``)
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from imagetool.errors import HostsConfigError
+from imagetool.registry.hosts import HostsConfig, load_hosts_dir
 from imagetool.stores.base import StoreOptions
 from snapshotter.errors import SnapshotterError
 
@@ -54,6 +57,8 @@ DEFAULT_WORKERS = 16
 # this time even if no Prepare asks for its layer.
 DEFAULT_REMOUNT_INTERVAL = 30.0
 DEFAULT_CONTAINERD_ADDRESS = Path("/run/containerd/containerd.sock")
+# containerd's registry hosts directory by convention (its registry.config_path).
+DEFAULT_REGISTRY_CONFIG_PATH = Path("/etc/containerd/certs.d")
 
 
 class ConfigError(SnapshotterError, ValueError):
@@ -216,6 +221,11 @@ class MountConfig:
     """Read-ahead of the erofs mount, in KiB: how much the kernel asks the FUSE file for at
     once when a file is read sequentially (FUSE splits it into 1 MiB requests); 0 leaves
     the kernel's default (128 KiB)."""
+    registry_config_path: Path | None = DEFAULT_REGISTRY_CONFIG_PATH
+    """containerd's registry hosts directory (its ``registry.config_path``): the mirrors
+    registry blobs are read from first. Read when the configuration is loaded, into
+    ``store.registry_hosts``; ``snapshotter serve`` reads it again when it changes. None:
+    the registries alone."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
     store: StoreOptions = field(default_factory=StoreOptions)
 
@@ -262,8 +272,12 @@ class MountConfig:
         doc = dataclasses.asdict(self)
         doc["cache_dir"] = str(self.cache_dir)
         doc["state_dir"] = str(self.state_dir)
+        path = self.registry_config_path
+        doc["registry_config_path"] = str(path) if path else None
         store = doc["store"]
         store["docker_config"] = str(self.store.docker_config) if self.store.docker_config else None
+        hosts = self.store.registry_hosts
+        store["registry_hosts"] = hosts.to_dict() if hosts is not None else None
         return doc
 
     @classmethod
@@ -274,11 +288,15 @@ class MountConfig:
             store["docker_config"] = Path(store["docker_config"])
         if store.get("credentials"):
             store["credentials"] = tuple(store["credentials"])
+        if store.get("registry_hosts"):
+            store["registry_hosts"] = HostsConfig.from_dict(store["registry_hosts"])
+        path = doc.get("registry_config_path")
         return cls(
             **{
                 **doc,
                 "cache_dir": Path(doc["cache_dir"]),
                 "state_dir": Path(doc["state_dir"]),
+                "registry_config_path": Path(path) if path else None,
                 "fetch": FetchConfig(**doc.get("fetch", {})),
                 "store": StoreOptions(**store),
             }
@@ -336,6 +354,16 @@ def parse_size(value: object) -> int:
         raise ConfigError(f"not a size: {value!r} (e.g. 20GiB, 512MiB, 1048576)")
     unit = (m.group(2) or "B").upper()[0]
     return int(m.group(1)) << {"B": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
+
+
+def format_size(n: int) -> str:
+    """Bytes for people, in the binary units ``parse_size`` reads: ``1.5GiB``, ``512B``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f}{unit}" if unit != "B" else f"{int(size)}B"
+        size /= 1024
+    return f"{n}B"
 
 
 # section.key -> (converter, where it goes). "m." is a MountConfig field, "f." a FetchConfig
@@ -424,6 +452,9 @@ KEYS: dict[str, tuple[Any, str]] = {
     "store.timeout": (_float, "s.timeout"),
     "store.retries": (_int, "s.retries"),
     "store.docker_config": (_opt_path, "s.docker_config"),
+    "store.registry_config_path": (_opt_path, "m.registry_config_path"),
+    "store.mirror_timeout": (_float, "s.mirror_timeout"),
+    "store.mirror_backoff": (_float, "s.mirror_backoff"),
     "metrics.listen": (str, "c.metrics_listen"),
     "snapshotter.address": (_abs_path, "d.address"),
     "snapshotter.root": (_abs_path, "d.root"),
@@ -470,6 +501,17 @@ def config_from_document(
     return build_config(flat)
 
 
+def read_registry_hosts(path: Path, required: bool = False) -> HostsConfig | None:
+    """The hosts directory at ``path`` (``imagetool.registry.hosts``), None when it holds
+    no namespace (or is missing, unless ``required``); ``ConfigError`` naming the file and
+    the problem when it is malformed."""
+    try:
+        hosts = load_hosts_dir(path, required=required)
+    except HostsConfigError as e:
+        raise ConfigError(f"store.registry_config_path: {e}") from None
+    return hosts if hosts.namespaces else None
+
+
 def build_config(flat: dict[str, object]) -> Config:
     parts: dict[str, dict[str, object]] = {"m": {}, "f": {}, "s": {}, "c": {}, "d": {}}
     for key, value in flat.items():
@@ -481,9 +523,16 @@ def build_config(flat: dict[str, object]) -> Config:
             parts[kind][name] = convert(value)
         except ConfigError as e:
             raise ConfigError(f"{key}: {e}") from None
+    hosts_path = parts["m"].get("registry_config_path", DEFAULT_REGISTRY_CONFIG_PATH)
+    if hosts_path is not None:
+        # A directory named on purpose must exist; the conventional one need not.
+        required = hosts_path != DEFAULT_REGISTRY_CONFIG_PATH
+        parts["s"]["registry_hosts"] = read_registry_hosts(hosts_path, required)  # type: ignore[arg-type]
     try:
         fetch = FetchConfig(**parts["f"])  # type: ignore[arg-type]
         store = StoreOptions(**parts["s"])  # type: ignore[arg-type]
+        if store.mirror_timeout <= 0 or store.mirror_backoff < 0:
+            raise ConfigError("store.mirror_timeout must be positive, mirror_backoff >= 0")
         mount = MountConfig(**parts["m"], fetch=fetch, store=store)  # type: ignore[arg-type]
         mount.prefetch_config()  # validate
         service = ServiceConfig(**parts["d"])  # type: ignore[arg-type]

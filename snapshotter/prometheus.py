@@ -15,7 +15,11 @@ Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``,
 ``stall_seconds_total{why=late|missing}`` (seconds readers waited on the network, for
 sectors read ahead or prefetched too late / for sectors nobody had asked for), ``cache_bytes``,
-``cache_entries``, ``cache_capacity_bytes``.
+``cache_entries``, ``cache_capacity_bytes``. Where a hosts directory gives a registry
+mirrors, per host (labels ``source``, its API root, and ``role``, mirror or server):
+``source_requests_total{outcome=ok|error|timeout|not_found|rejected}``,
+``source_bytes_total``, ``source_skipped_total`` (reads that passed over it while it backed
+off), ``source_backoff_seconds``.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
         buckets = [(_bound(b), c) for b, c in h["buckets"]]
         latency.add_metric(labels, buckets, sum_value=h["sum"])
     yield from (ratio, inflight, queued, errors, stalls, latency)
+    yield from _sources(all_stats)
 
     entries, used = cache_usage(config.cache_dir)
     for name, doc, value in (
@@ -131,6 +136,40 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
         g = GaugeMetricFamily(p + name, doc)
         g.add_metric([], value)
         yield g
+
+
+def _sources(all_stats: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per host a mount reads blobs from, where a hosts directory gives mirrors."""
+    p = "lazyblock_source_"
+    labels = [*LABELS, "source", "role"]
+    requests = CounterMetricFamily(
+        p + "requests", "Ranged reads by host and outcome: ok, error, timeout, not_found "
+        "(the mirror lacks the blob), rejected (bytes that failed verification).",
+        labels=[*labels, "outcome"],
+    )  # fmt: skip
+    fetched = CounterMetricFamily(p + "bytes", "Stored bytes read from the host.", labels=labels)
+    skipped = CounterMetricFamily(
+        p + "skipped", "Reads that passed over the host while it backed off.", labels=labels
+    )
+    backoff = GaugeMetricFamily(
+        p + "backoff_seconds", "Seconds the host is still skipped after failing.", labels=labels
+    )
+    for s in all_stats:
+        for src in s.get("sources", []):
+            at = [s["mountpoint"], s["ref"], src["url"], src["role"]]
+            failed = sum(src[k] for k in ("errors", "timeouts", "not_found", "rejected"))
+            for outcome, value in (
+                ("ok", max(0, src["requests"] - failed)),
+                ("error", src["errors"]),
+                ("timeout", src["timeouts"]),
+                ("not_found", src["not_found"]),
+                ("rejected", src["rejected"]),
+            ):
+                requests.add_metric([*at, outcome], value)
+            fetched.add_metric(at, src["bytes"])
+            skipped.add_metric(at, src["skipped"])
+            backoff.add_metric(at, src["backoff_seconds"])
+    yield from (requests, fetched, skipped, backoff)
 
 
 def _bound(b: object) -> str:

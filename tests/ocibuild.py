@@ -330,6 +330,13 @@ def read_blob(layout: Path, digest: str) -> bytes:
     return blob_path(layout, digest).read_bytes()
 
 
+def layer_blobs(layout: Path, tag: str) -> list[bytes]:
+    """The layer blobs of the image ``tag`` of an OCI layout, bottom first."""
+    entries = json.loads((Path(layout) / "index.json").read_text())["manifests"]
+    (entry,) = [e for e in entries if e.get("annotations", {}).get(REF_NAME) == tag]
+    return [read_blob(layout, d["digest"]) for d in manifest_of(layout, entry["digest"])["layers"]]
+
+
 def manifest_of(layout: Path, digest: str) -> dict:
     return json.loads(read_blob(layout, digest))
 
@@ -485,14 +492,20 @@ def build_with_umoci(
     user: str | None = None,
     workdir: str | None = None,
     architecture: str | None = None,
+    base: str | None = None,
 ) -> None:
     """A multi-layer image built by umoci. Each of ``layer_dirs`` is the *full* root tree
     after that layer: what is new or changed becomes the layer, and what disappeared since
-    the previous one becomes a whiteout (umoci computes the diff, gzip-compressed)."""
+    the previous one becomes a whiteout (umoci computes the diff, gzip-compressed). With
+    ``base`` (a tag of the same layout) the layers go on top of that image's, which the two
+    images then share (the same layer blobs)."""
     path = Path(path)
     if not (path / "oci-layout").exists():
         _umoci("init", "--layout", path)
-    _umoci("new", "--image", f"{path}:{tag}")
+    if base is None:
+        _umoci("new", "--image", f"{path}:{tag}")
+    else:
+        _umoci("tag", "--image", f"{path}:{base}", tag)
     bundle = path.parent / f".{path.name}.{tag}.bundle"
     for d in layer_dirs:
         if bundle.exists():

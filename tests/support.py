@@ -8,6 +8,7 @@ CI has all of them.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -18,9 +19,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
+
+from benchmarks.coldstart.netns import stop_process
 
 REQUIRE_ALL = os.environ.get("LAZYBLOCK_REQUIRE_ALL") == "1"
 
@@ -91,14 +96,124 @@ class Registry:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._logf.close()
+
+
+class ForwardProxy:
+    """A real HTTP forward proxy on loopback (Debian's tinyproxy, in the foreground with its
+    own config): absolute-form requests for http URLs, CONNECT tunnels for https ones, with
+    ``user:secret`` Basic proxy authentication when given. ``log`` records each request."""
+
+    def __init__(self, root: Path, auth: tuple[str, str] | None = None) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.log = root / "tinyproxy.log"
+        config = root / "tinyproxy.conf"
+        config.write_text(
+            f"Port {self.port}\nListen 127.0.0.1\nTimeout 60\nMaxClients 64\n"
+            f'Allow 127.0.0.1\nLogFile "{self.log}"\nLogLevel Connect\n'
+            "DisableViaHeader Yes\n" + (f"BasicAuth {auth[0]} {auth[1]}\n" if auth else "")
+        )
+        userinfo = f"{auth[0]}:{auth[1]}@" if auth else ""
+        self.url = f"http://{userinfo}127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            ["tinyproxy", "-d", "-c", str(config)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_port(self.port)
+        except BaseException:
+            self.stop()
+            raise
+
+    def requests(self) -> list[str]:
+        """The request lines tinyproxy logged (``GET http://...``, ``CONNECT host:port``)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [
+            line.split("Request (file descriptor", 1)[1].split("): ", 1)[1].strip()
+            for line in text.splitlines()
+            if "Request (file descriptor" in line and "): " in line
+        ]
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+class MirrorServer:
+    """A mirror on loopback that passes GETs on to ``upstream`` (another host:port) and can
+    misbehave: ``mode`` is ``pass``, ``corrupt`` (one byte of each body flipped), ``missing``
+    (404), ``error`` (502), ``cut`` (the connection closed after ``cut_after`` body bytes),
+    ``stall`` (no more bytes after ``cut_after``), ``hang`` (no answer) or ``challenge``
+    (401 Basic until the request carries ``Authorization``). Records (path, query,
+    headers) of every request."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.mode = "pass"
+        self.cut_after = 4096
+        self.seen: list[tuple[str, dict[str, list[str]], dict[str, str]]] = []
+        self.release = threading.Event()
+        mirror = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                parts = urlsplit(self.path)
+                mirror.seen.append((parts.path, parse_qs(parts.query), dict(self.headers)))
+                mode = mirror.mode
+                if mode == "hang":
+                    mirror.release.wait(30)
+                    return
+                if mode in ("missing", "error") or (
+                    mode == "challenge" and "Authorization" not in self.headers
+                ):
+                    status = {"missing": 404, "error": 502, "challenge": 401}[mode]
+                    self.send_response(status)
+                    if status == 401:
+                        self.send_header("WWW-Authenticate", 'Basic realm="mirror"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection(mirror.upstream, timeout=10)
+                headers = {k: v for k, v in self.headers.items() if k.lower() == "range"}
+                conn.request("GET", parts.path, headers=headers)
+                resp = conn.getresponse()
+                body = bytearray(resp.read())
+                conn.close()
+                if mode == "corrupt" and body:
+                    body[len(body) // 2] ^= 0xFF
+                self.send_response(resp.status)
+                for name in ("Content-Range", "Content-Type", "Docker-Content-Digest"):
+                    if resp.getheader(name):
+                        self.send_header(name, resp.getheader(name))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if mode in ("cut", "stall"):
+                    self.wfile.write(body[: mirror.cut_after])
+                    self.wfile.flush()
+                    if mode == "stall":
+                        mirror.release.wait(30)
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def blob_reads(self) -> int:
+        return sum(1 for path, _, _ in self.seen if "/blobs/" in path)
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class PausableProxy:

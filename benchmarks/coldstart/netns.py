@@ -347,14 +347,8 @@ class RemoteHost:
 
     @staticmethod
     def _stop(proc: subprocess.Popen | None) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
     # registry
 
@@ -452,6 +446,18 @@ class RemoteHost:
                 text = f.read().decode(errors="replace")
         s = parse_access_log(text)
         return Traffic(self._rx_bytes() - rx0, s.body_bytes, s.requests, s.range_gets)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s; waits for it either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _ns_pids(namespace: str) -> list[int]:

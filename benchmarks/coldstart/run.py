@@ -115,6 +115,7 @@ class BenchConfig:
     # keep what out/latest.json holds for other images and presets (see merge_earlier)
     keep_earlier: bool = True
     prepare_only: bool = False  # build, push, convert, record the profile; measure nothing
+    format_version: str = "2"  # the block format the lazy scenarios' images are converted to
 
 
 # --- pure parts --------------------------------------------------------------------------------
@@ -282,7 +283,7 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f} MB"
 
 
-ENTRY_KEYS = ("generated", "image", "runs", "via", "caches_dropped", "presets")
+ENTRY_KEYS = ("generated", "image", "runs", "via", "block_format", "caches_dropped", "presets")
 
 
 def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -293,7 +294,8 @@ def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: e["image"]["compressed_bytes"])
 
 
-RUN_KEYS = ("generated", "runs", "via", "caches_dropped")  # how a preset's results came about
+# how a preset's results came about
+RUN_KEYS = ("generated", "runs", "via", "block_format", "caches_dropped")
 
 
 def merge_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
@@ -630,11 +632,14 @@ def _int(v: str | None) -> int | None:
 class Lazyblock:
     """The snapshotter's and imagetool's CLIs, as the benchmark uses them."""
 
-    def __init__(self, work: Path, registry: str) -> None:
+    def __init__(self, work: Path, registry: str, format_version: str = "2") -> None:
         self.dir = work / "lazy"
         self.cache = self.dir / "cache"
         self.state = self.dir / "state"
         self.registry = registry
+        # Images of another block format go to another repository, stamped apart.
+        self.format_version = format_version
+        self.repository = "lazybench/block" + ("" if format_version == "2" else "-v1")
 
     @staticmethod
     def unavailable() -> str | None:
@@ -647,7 +652,7 @@ class Lazyblock:
         return None
 
     def ref(self, tag: str) -> str:
-        return f"docker://{self.registry}/lazybench/block:{tag}"
+        return f"docker://{self.registry}/{self.repository}:{tag}"
 
     def _snap(self, *args: str, timeout: float = 600) -> str:
         return _run(sys.executable, "-m", "snapshotter.cli", *args, timeout=timeout, cwd=REPO,
@@ -662,23 +667,28 @@ class Lazyblock:
         stamps = self._stamps()
         return (
             stamps.get(tag) == source_digest
-            and registry_digest(self.registry, "lazybench/block", tag) is not None
+            and registry_digest(self.registry, self.repository, tag) is not None
         )
 
     def _stamps(self) -> dict[str, str]:
-        path = self.dir / "converted.json"
+        path = self.dir / self._stamps_name
         return json.loads(path.read_text()) if path.exists() else {}
 
     def _stamp(self, tag: str, source_digest: str) -> None:
         stamps = self._stamps()
         stamps[tag] = source_digest
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "converted.json").write_text(json.dumps(stamps, indent=2))
+        (self.dir / self._stamps_name).write_text(json.dumps(stamps, indent=2))
+
+    @property
+    def _stamps_name(self) -> str:
+        return "converted.json" if self.format_version == "2" else "converted-v1.json"
 
     def convert(
         self, source: str, source_digest: str, tag: str, profile: Path | None = None
     ) -> None:
-        args = ["--plain-http", "convert", "-q", source, self.ref(tag)]
+        args = ["--plain-http", "convert", "-q", "--format-version", self.format_version,
+                source, self.ref(tag)]  # fmt: skip
         if profile is not None:
             args += ["--profile", str(profile)]
         _run(sys.executable, "-m", "imagetool.cli", *args, timeout=3600, cwd=REPO, env=repo_env())
@@ -779,7 +789,7 @@ class Bench:
         if self.lazy_reason:
             log.warning("lazy scenarios not run: %s", self.lazy_reason)
             return
-        self.lazy = Lazyblock(self.cfg.work, self.registry)
+        self.lazy = Lazyblock(self.cfg.work, self.registry, self.cfg.format_version)
         if self.cfg.via == "cri":
             self.node = LazyNode(self.cfg.work / "node", self.registry)
         try:
@@ -1256,6 +1266,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "image": img.to_json(),
         "runs": cfg.runs,
         "via": cfg.via,
+        "block_format": cfg.format_version,
         "caches_dropped": cfg.drop_caches,
         "presets": {},
     }
@@ -1331,6 +1342,8 @@ def main(argv: list[str] | None = None) -> int:
         help="only build, push and convert the images and record the profile (untimed; "
         "so that a timed run holding the benchmark lock measures and nothing else)",
     )
+    parser.add_argument("--format-version", choices=("1", "2"), default="2",
+                        help="block format of the lazy scenarios' images (default 2)")  # fmt: skip
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--out", type=Path,
                         help="results folder (default: results/; work/smoke-results/ with "
@@ -1376,6 +1389,7 @@ def main(argv: list[str] | None = None) -> int:
         via=args.via,
         keep_earlier=not args.fresh,
         prepare_only=args.prepare_only,
+        format_version=args.format_version,
         work=args.work.resolve(),
         out=args.out.resolve(),
     )

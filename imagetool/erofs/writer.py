@@ -12,8 +12,10 @@ Layout (4096-byte blocks, all offsets deterministic for the same tree and order)
                  its inline xattrs and, for directories and symlinks that fit, the tail of its
                  data (FLAT_INLINE); 32-byte aligned, a record never crosses a block boundary
     meta blocks  whole blocks of large directories and long symlinks (FLAT_PLAIN/INLINE heads)
-    data area    regular files, each contiguous and block aligned (FLAT_PLAIN), in layout
-                 order: the profile's paths first, then depth-first order
+    data area    regular files, each contiguous and block aligned (FLAT_PLAIN): for format
+                 version 1 (``plan_erofs``) in layout order, the profile's paths first, then
+                 depth-first order; for version 2 (``plan_erofs_regions``) in sector-aligned
+                 regions per source layer, as ``imagetool.format`` specifies
 
 All metadata therefore sits in the leading blocks, so the first sectors of a block image hold
 every name, mode, owner and size; listing a tree never touches the data area.
@@ -30,8 +32,8 @@ from dataclasses import dataclass
 
 from imagetool.erofs import layout as L
 from imagetool.errors import InvalidSourceError
-from imagetool.format import FileExtent
-from imagetool.tree import Node, Tree
+from imagetool.format import ROLE_DATA, ROLE_HOT, ROLE_LAYER, ROLE_METADATA, FileExtent
+from imagetool.tree import LayerFiles, Node, Tree
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,17 @@ class DataExtent:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Image bytes ``[start, end)`` that are stored as one blob (``imagetool.format``): its
+    role and, for a hot or layer region, the source layer's digest."""
+
+    role: str
+    layer: str
+    start: int
+    end: int
+
+
 @dataclass(frozen=True)
 class ErofsPlan:
     metadata: bytes | bytearray  # image bytes [0, len); a multiple of the block size; not to
@@ -58,6 +71,7 @@ class ErofsPlan:
     size: int  # image size in bytes (multiple of the block size)
     files: tuple[FileExtent, ...]  # regular files with data, in layout order
     inode_count: int
+    regions: tuple[Region, ...]  # in image order, covering [0, size)
 
 
 class _Inode:
@@ -90,76 +104,151 @@ class _Inode:
 
 
 def plan_erofs(tree: Tree, order: Iterable[str] = ()) -> ErofsPlan:
-    """Lay out ``tree``; ``order`` lists paths whose data goes first (a startup profile)."""
-    inodes, by_id, reg_paths = _collect(tree)
-    for ino in inodes:
-        _prepare(ino, by_id)
-
-    # Inode table.
-    pos = INODE_TABLE_START
-    for ino in inodes:
-        pos = L.align(pos, L.ISLOT_SIZE)
-        rec = ino.record_size
-        room = BLOCK_SIZE - pos % BLOCK_SIZE
-        if (rec <= BLOCK_SIZE and rec > room) or (rec > BLOCK_SIZE and INODE_SIZE > room):
-            pos = L.align(pos, BLOCK_SIZE)
-        ino.nid = pos >> L.ISLOT_BITS
-        pos += rec
-    if inodes[0].nid > 0xFFFF:
-        raise AssertionError("root nid must fit 16 bits")
-
-    # Whole blocks of directories and long symlinks, still in the metadata region.
-    block = L.align(pos, BLOCK_SIZE) // BLOCK_SIZE
-    for ino in inodes:
-        head = ino.meta_data_len - ino.inline_len
-        if head:
-            ino.blkaddr = block
-            block += -(-head // BLOCK_SIZE)
-    meta_end = block * BLOCK_SIZE
-
-    # Data area: regular files in layout order.
-    extents: list[DataExtent] = []
-    files: list[FileExtent] = []
-    placed: set[int] = set()
-
-    def place(node: Node) -> None:
-        nonlocal block
-        if id(node) in placed or node.size == 0:
-            return
-        placed.add(id(node))
-        ino = by_id[id(node)]
-        ino.blkaddr = block
-        extents.append(DataExtent(block * BLOCK_SIZE, node.spool_offset, node.size))
-        for path in reg_paths[id(node)]:
-            files.append(FileExtent(path, block * BLOCK_SIZE, node.size))
-        block += -(-node.size // BLOCK_SIZE)
-
+    """Lay out ``tree`` as format version 1 does: metadata, then every file in layout order
+    (``order``, a startup profile's paths, first; then depth-first), one region."""
+    lay = _Layout(tree)
     for path in order:
         node = tree.lookup(path)
         if node is not None and node.is_reg:
-            place(node)
-    for ino in inodes:
+            lay.place(node)
+    for ino in lay.inodes:
         if ino.node.is_reg:
-            place(ino.node)
-    size = block * BLOCK_SIZE
+            lay.place(ino.node)
+    size = lay.block * BLOCK_SIZE
+    return lay.finish(size, (Region(ROLE_DATA, "", 0, size),))
 
-    meta = bytearray(meta_end)
-    for ino in inodes:
-        _write_inode(meta, ino, by_id)
-    build_time = max((ino.node.mtime for ino in inodes), default=0)
-    uuid = hashlib.sha256(meta).digest()[:16]
-    sb = L.Superblock(
-        magic=L.MAGIC, checksum=0, feature_compat=L.FEATURE_COMPAT_MTIME,
-        blkszbits=L.DEFAULT_BLKSZBITS, sb_extslots=0, root_nid=inodes[0].nid,
-        inos=len(inodes), build_time=build_time, build_time_nsec=0, blocks=size // BLOCK_SIZE,
-        meta_blkaddr=0, xattr_blkaddr=0, uuid=uuid, volume_name=VOLUME_NAME,
-        feature_incompat=0, u1=0, extra_devices=0, devt_slotoff=0, dirblkbits=0,
-        xattr_prefix_count=0, xattr_prefix_start=0, packed_nid=0, xattr_filter_reserved=0,
-        reserved=bytes(23),
-    )  # fmt: skip
-    meta[L.SUPERBLOCK_OFFSET : L.SUPERBLOCK_OFFSET + L.SUPERBLOCK_SIZE] = sb.pack()
-    log.debug("erofs: %d inodes, metadata %d bytes, image %d bytes", len(inodes), meta_end, size)
-    return ErofsPlan(meta, tuple(extents), size, tuple(files), len(inodes))
+
+def plan_erofs_regions(
+    tree: Tree,
+    layers: Sequence[LayerFiles],
+    sector_size: int,
+    order: Iterable[str] = (),
+    hot_limit: int | None = None,
+    align_limit: int | None = None,
+) -> ErofsPlan:
+    """Lay out ``tree`` in the regions of format version 2 (``imagetool.format``): metadata;
+    a hot region per layer that holds files of ``order`` (a startup profile) smaller than
+    ``hot_limit`` (default: a sector), copies of them in tar order; a region per layer of
+    every file its tar holds (``layers``), in tar order, those of at least ``align_limit``
+    (default: a sector) starting on a sector boundary. Every region starts on a sector
+    boundary and depends on nothing but its layer (and, for a hot one, which of its files
+    the profile names)."""
+    hot_limit = sector_size if hot_limit is None else hot_limit
+    align_limit = sector_size if align_limit is None else align_limit
+    lay = _Layout(tree)
+    lay.block = lay.align(lay.block, sector_size)
+    regions = [Region(ROLE_METADATA, "", 0, lay.block * BLOCK_SIZE)]
+    where = {id(node): (k, i) for k, lf in enumerate(layers) for i, node in enumerate(lf.nodes)}
+    hot: list[dict[int, Node]] = [{} for _ in layers]
+    for path in order:
+        node = tree.lookup(path)
+        if node is not None and node.is_reg and 0 < node.size < hot_limit and id(node) in where:
+            k, i = where[id(node)]
+            hot[k][i] = node
+    for lf, chosen in zip(layers, hot, strict=True):
+        start = lay.block
+        for i in sorted(chosen):
+            lay.place(chosen[i])
+        lay.block = lay.align(lay.block, sector_size)
+        if lay.block > start:
+            regions.append(Region(ROLE_HOT, lf.digest, start * BLOCK_SIZE, lay.block * BLOCK_SIZE))
+    for lf in layers:
+        start = lay.block
+        for node in lf.nodes:
+            if node.size >= align_limit:
+                lay.block = lay.align(lay.block, sector_size)
+            lay.place(node, bytes_only=id(node) in lay.placed or id(node) not in lay.by_id)
+        lay.block = lay.align(lay.block, sector_size)
+        if lay.block > start:
+            regions.append(
+                Region(ROLE_LAYER, lf.digest, start * BLOCK_SIZE, lay.block * BLOCK_SIZE)
+            )
+    unplaced = [
+        i.node for i in lay.inodes if i.node.is_reg and i.node.size and id(i.node) not in lay.placed
+    ]
+    if unplaced:
+        raise AssertionError(f"{len(unplaced)} files of the tree are in no layer's file list")
+    return lay.finish(lay.block * BLOCK_SIZE, tuple(regions))
+
+
+class _Layout:
+    """An image being laid out: its inodes and metadata blocks are placed when it is made;
+    ``place`` then puts file data at ``block``, which only moves forward."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.inodes, self.by_id, self.reg_paths = _collect(tree)
+        for ino in self.inodes:
+            _prepare(ino, self.by_id)
+
+        # Inode table.
+        pos = INODE_TABLE_START
+        for ino in self.inodes:
+            pos = L.align(pos, L.ISLOT_SIZE)
+            rec = ino.record_size
+            room = BLOCK_SIZE - pos % BLOCK_SIZE
+            if (rec <= BLOCK_SIZE and rec > room) or (rec > BLOCK_SIZE and INODE_SIZE > room):
+                pos = L.align(pos, BLOCK_SIZE)
+            ino.nid = pos >> L.ISLOT_BITS
+            pos += rec
+        if self.inodes[0].nid > 0xFFFF:
+            raise AssertionError("root nid must fit 16 bits")
+
+        # Whole blocks of directories and long symlinks, still in the metadata region.
+        block = L.align(pos, BLOCK_SIZE) // BLOCK_SIZE
+        for ino in self.inodes:
+            head = ino.meta_data_len - ino.inline_len
+            if head:
+                ino.blkaddr = block
+                block += -(-head // BLOCK_SIZE)
+        self.meta_end = block * BLOCK_SIZE
+        self.block = block  # where the next file's data goes
+        self.extents: list[DataExtent] = []
+        self.files: list[FileExtent] = []
+        self.placed: set[int] = set()  # nodes whose inode points at their data
+
+    @staticmethod
+    def align(block: int, boundary: int) -> int:
+        """``block`` rounded up to a multiple of ``boundary`` bytes."""
+        per = boundary // BLOCK_SIZE
+        return -(-block // per) * per
+
+    def place(self, node: Node, bytes_only: bool = False) -> None:
+        """Put ``node``'s data at ``block``: its inode points there (once per node), or,
+        ``bytes_only``, the bytes alone (a copy nothing points at)."""
+        if node.size == 0 or (not bytes_only and id(node) in self.placed):
+            return
+        offset = self.block * BLOCK_SIZE
+        self.extents.append(DataExtent(offset, node.spool_offset, node.size))
+        if not bytes_only:
+            self.placed.add(id(node))
+            self.by_id[id(node)].blkaddr = self.block
+            for path in self.reg_paths[id(node)]:
+                self.files.append(FileExtent(path, offset, node.size))
+        self.block += -(-node.size // BLOCK_SIZE)
+
+    def finish(self, size: int, regions: tuple[Region, ...]) -> ErofsPlan:
+        """The plan of an image of ``size`` bytes: every inode and the superblock written."""
+        inodes, meta_end = self.inodes, self.meta_end
+        meta = bytearray(meta_end)
+        for ino in inodes:
+            _write_inode(meta, ino, self.by_id)
+        build_time = max((ino.node.mtime for ino in inodes), default=0)
+        uuid = hashlib.sha256(meta).digest()[:16]
+        sb = L.Superblock(
+            magic=L.MAGIC, checksum=0, feature_compat=L.FEATURE_COMPAT_MTIME,
+            blkszbits=L.DEFAULT_BLKSZBITS, sb_extslots=0, root_nid=inodes[0].nid,
+            inos=len(inodes), build_time=build_time, build_time_nsec=0,
+            blocks=size // BLOCK_SIZE, meta_blkaddr=0, xattr_blkaddr=0, uuid=uuid,
+            volume_name=VOLUME_NAME, feature_incompat=0, u1=0, extra_devices=0,
+            devt_slotoff=0, dirblkbits=0, xattr_prefix_count=0, xattr_prefix_start=0,
+            packed_nid=0, xattr_filter_reserved=0, reserved=bytes(23),
+        )  # fmt: skip
+        meta[L.SUPERBLOCK_OFFSET : L.SUPERBLOCK_OFFSET + L.SUPERBLOCK_SIZE] = sb.pack()
+        log.debug(
+            "erofs: %d inodes, metadata %d bytes, image %d bytes in %d regions",
+            len(inodes), meta_end, size, len(regions),
+        )  # fmt: skip
+        return ErofsPlan(meta, tuple(self.extents), size, tuple(self.files), len(inodes), regions)
 
 
 def _collect(tree: Tree) -> tuple[list[_Inode], dict[int, _Inode], dict[int, list[str]]]:

@@ -18,6 +18,7 @@ repository.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -28,11 +29,11 @@ import random
 import re
 import ssl
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, NoReturn, cast
-from urllib.parse import urljoin
+from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
 
@@ -46,8 +47,10 @@ from imagetool.errors import (
 )
 from imagetool.format import check_digest
 from imagetool.registry.auth import RETRY_STATUS, Auth, one_line
+from imagetool.registry.hosts import RegistryHost, namespace_name
 from imagetool.registry.ranged import DirectBody, RangeClient, RangeResponse
 from imagetool.stores.base import BytesBody, RangeBody, StoreOptions
+from imagetool.stores.refs import registry_host
 
 log = logging.getLogger(__name__)
 
@@ -75,31 +78,106 @@ def _ssl_context(cert_file: str, cert_dir: str) -> ssl.SSLContext:
     return httpx.create_ssl_context(verify=True, trust_env=True)
 
 
-class RegistryClient:
-    """One repository on one registry."""
+def host_ssl_context(host: RegistryHost) -> Callable[[], ssl.SSLContext]:
+    """The TLS context for a host of a hosts directory: the default one, or with its ``ca``
+    files trusted on top, its ``client`` certificates, or no verification (``skip_verify``),
+    built once per process."""
+    if not (host.ca or host.client or host.skip_verify):
+        return default_ssl_context
+    return lambda: _host_ssl_context(
+        host.ca, host.client, host.skip_verify,
+        os.environ.get("SSL_CERT_FILE", ""), os.environ.get("SSL_CERT_DIR", ""),
+    )  # fmt: skip
 
-    def __init__(self, host: str, repository: str, options: StoreOptions) -> None:
+
+@functools.lru_cache(maxsize=16)
+def _host_ssl_context(
+    ca: tuple[str, ...], client: tuple[tuple[str, str], ...], skip_verify: bool,
+    cert_file: str, cert_dir: str,
+) -> ssl.SSLContext:  # fmt: skip
+    del cert_file, cert_dir  # the cache key, as in _ssl_context
+    context = httpx.create_ssl_context(verify=True, trust_env=True)
+    try:
+        for path in ca:
+            context.load_verify_locations(cafile=path)
+        for cert, key in client:
+            context.load_cert_chain(cert, key or None)
+    except (OSError, ssl.SSLError) as e:
+        raise StoreError(f"cannot load a registry host's certificates: {one_line(e)}") from None
+    if skip_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def registry_hosts(options: StoreOptions, registry: str) -> tuple[RegistryHost, ...]:
+    """The hosts to ask for ``registry``'s content, in order; the last is its server (the
+    registry itself unless the hosts directory names another)."""
+    if options.registry_hosts is None:
+        return (RegistryHost(url=None, mirror=False),)
+    return options.registry_hosts.hosts_for(registry)
+
+
+class RegistryClient:
+    """One repository of one registry, at one host: the registry's server (by default, as
+    the hosts directory says, if any) or a mirror of it (``endpoint``).
+
+    The host's settings from the hosts directory apply: its URL (and ``?ns=REGISTRY`` on
+    every request when it is another host than the registry), TLS, headers, dial timeout
+    and proxy. Credentials: docker ``config.json``'s for the host asked, and those given at
+    run time (``options.credentials``, a CRI pull's, which name the image's registry) only
+    to the registry's own host, never to a mirror. A mirror is asked with
+    ``options.mirror_timeout`` and no retries of its own: the next host is its retry."""
+
+    def __init__(
+        self, host: str, repository: str, options: StoreOptions,
+        endpoint: RegistryHost | None = None,
+    ) -> None:  # fmt: skip
         self.host = host
         self.repository = repository
-        self.options = options
-        scheme = "http" if options.plain_http else "https"
-        self.base = f"{scheme}://{host}/v2/{repository}"
-        self.where = f"{host}/{repository}"
+        self.endpoint = endpoint = endpoint or registry_hosts(options, host)[-1]
+        api = endpoint.url or f"{'http' if options.plain_http else 'https'}://{host}/v2"
+        parts = urlsplit(api)
+        self.api_host = parts.netloc
+        own = registry_host(self.api_host) == registry_host(host)
+        timeout = options.timeout
+        if endpoint.mirror:
+            timeout = min(timeout, options.mirror_timeout)
+        self.options = options = dataclasses.replace(
+            options, timeout=timeout, retries=0 if endpoint.mirror else options.retries,
+            plain_http=parts.scheme == "http", credentials=options.credentials if own else None,
+        )  # fmt: skip
+        self.api = api  # the host's API root (``.../v2``)
+        self.base = f"{api}/{repository}"
+        self._query = "" if own else "?" + urlencode({"ns": namespace_name(host)})
+        self.where = f"{self.api_host}/{repository}"
         self.monolithic_limit = MONOLITHIC_LIMIT
         self.upload_chunk = UPLOAD_CHUNK
+        ssl_context = host_ssl_context(endpoint)
+        connect = min(timeout, endpoint.dial_timeout or timeout)
         self._http = httpx.Client(
-            timeout=httpx.Timeout(options.timeout),
+            timeout=httpx.Timeout(timeout, connect=connect),
             follow_redirects=False,
-            headers={"User-Agent": USER_AGENT},
-            verify=default_ssl_context(),
+            headers=[("User-Agent", USER_AGENT), *endpoint.header],
+            verify=ssl_context(),
+            proxy=endpoint.proxy,
         )
+        self._headers: dict[str, str] = {}
+        for name, value in endpoint.header:
+            before = self._headers.get(name)
+            self._headers[name] = f"{before}, {value}" if before is not None else value
         # Ranged blob reads, the data path, go through http.client when the answer is the
         # range asked for (``_direct_range``): read into the caller's buffers, a quarter of
         # httpx's CPU per byte.
         self._ranges = RangeClient(
-            ssl_context=default_ssl_context, timeout=options.timeout, user_agent=USER_AGENT
-        )
-        self.auth = Auth(host, repository, options, self._http, self._backoff, self.base)
+            ssl_context=ssl_context, timeout=timeout, user_agent=USER_AGENT,
+            connect_timeout=connect, proxy=endpoint.proxy,
+        )  # fmt: skip
+        self.auth = Auth(self.api_host, repository, options, self._http, self._backoff, self.base)
+
+    def _url(self, path: str) -> str:
+        """The URL of ``path`` under the repository, with ``?ns=`` where it applies."""
+        return f"{self.base}/{path}{self._query}"
 
     # --- public API -----------------------------------------------------------------------
 
@@ -108,7 +186,7 @@ class RegistryClient:
         verified against the body."""
         what = f"manifest {reference}"
         resp = self._request(
-            "GET", f"{self.base}/manifests/{reference}", what, headers={"Accept": ", ".join(accept)}
+            "GET", self._url(f"manifests/{reference}"), what, headers={"Accept": ", ".join(accept)}
         )
         body = resp.content
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
@@ -120,6 +198,27 @@ class RegistryClient:
                 media_type = str(json.loads(body).get("mediaType") or media_type)
         return body, media_type, digest
 
+    def ping(self) -> str | None:
+        """``GET /v2/`` without credentials (the distribution spec's API version check):
+        None if the registry lets anyone in, else the challenge of its 401
+        (``WWW-Authenticate``); ``StoreError`` if it does not answer as a registry."""
+        url = f"{self.base.split('/v2/', 1)[0]}/v2/"
+        try:
+            resp = self._http.get(url)
+        except httpx.TimeoutException:
+            raise StoreTimeoutError(
+                f"{self.host}: API version check: no answer within {self.options.timeout:g}s"
+            ) from None
+        except httpx.TransportError as e:
+            raise StoreError(
+                f"{self.host}: API version check: {type(e).__name__}: {one_line(e)}"
+            ) from None
+        if resp.status_code == 200:
+            return None
+        if resp.status_code == 401:
+            return resp.headers.get("WWW-Authenticate", "")
+        raise StoreError(f"{self.host}: API version check ({url}): HTTP {resp.status_code}")
+
     def has_blob(self, digest: str) -> bool:
         try:
             self.blob_size(digest)
@@ -130,7 +229,7 @@ class RegistryClient:
     def blob_size(self, digest: str) -> int:
         check_digest(digest)
         resp = self._request(
-            "HEAD", f"{self.base}/blobs/{digest}", f"blob {digest}", follow_redirects=True
+            "HEAD", self._url(f"blobs/{digest}"), f"blob {digest}", follow_redirects=True
         )
         try:
             return int(resp.headers["Content-Length"])
@@ -143,7 +242,7 @@ class RegistryClient:
         check_digest(digest)
         resp = self._request(
             "GET",
-            f"{self.base}/blobs/{digest}",
+            self._url(f"blobs/{digest}"),
             f"blob {digest}",
             headers={"Accept-Encoding": "identity"},
             stream=True,
@@ -200,10 +299,10 @@ class RegistryClient:
         if offset < 0:
             return None  # _ranged_get says why
         auth = self.auth.header(push=False)
+        headers = {**self._headers, "Authorization": auth} if auth else self._headers
         resp, _ = self._ranges.get_range(
-            f"{self.base}/blobs/{digest}", offset, length,
-            {"Authorization": auth} if auth else {}, f"{self.where}: blob {digest}",
-        )  # fmt: skip
+            self._url(f"blobs/{digest}"), offset, length, headers, f"{self.where}: blob {digest}"
+        )
         return resp
 
     def _check_empty_range(self, digest: str, offset: int) -> None:
@@ -226,7 +325,7 @@ class RegistryClient:
         end = offset + length - 1
         resp = self._request(
             "GET",
-            f"{self.base}/blobs/{digest}",
+            self._url(f"blobs/{digest}"),
             what,
             headers={"Range": f"bytes={offset}-{end}", "Accept-Encoding": "identity"},
             stream=True,
@@ -268,7 +367,7 @@ class RegistryClient:
         except OSError as e:
             raise StoreError(f"{self.where}: {what}: cannot read {source}: {e.strerror}") from None
         resp = self._request(
-            "POST", f"{self.base}/blobs/uploads/", what, push=True, ok=(202, 201), idempotent=False
+            "POST", self._url("blobs/uploads/"), what, push=True, ok=(202, 201), idempotent=False
         )
         location = self._location(resp, what)
         try:
@@ -296,7 +395,7 @@ class RegistryClient:
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         self._request(
             "PUT",
-            f"{self.base}/manifests/{reference}",
+            self._url(f"manifests/{reference}"),
             f"manifest {reference}",
             headers={"Content-Type": media_type},
             content=body,
@@ -308,7 +407,7 @@ class RegistryClient:
 
     def list_tags(self) -> list[str]:
         tags: list[str] = []
-        url: str | None = f"{self.base}/tags/list"
+        url: str | None = self._url("tags/list")
         while url:
             resp = self._request("GET", url, "tag list")
             try:

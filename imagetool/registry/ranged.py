@@ -17,12 +17,20 @@ any answer other than the range asked for) stays with the registry client's http
 * Redirects are followed (a registry commonly sends blob reads to object storage), up to
   ``MAX_REDIRECTS``; the ``Authorization`` header goes only to the origin it was meant for.
 * ``timeout`` bounds connecting and every receive: ``TimeoutError``, never a hang.
-* A URL that the environment sends through a proxy (``HTTP(S)_PROXY``, ``ALL_PROXY``, less
-  ``NO_PROXY``, as httpx reads them) is not handled here: ``get`` returns None for it.
+* Proxies: the one given (a hosts.toml ``proxy``), else the environment's for the URL
+  (``HTTP(S)_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``, as httpx reads them). Through an
+  ``http://`` proxy, an ``http`` URL is asked for in absolute form and an ``https`` one
+  through a ``CONNECT`` tunnel (TLS with the registry inside it), ``user:password@`` of the
+  proxy URL going as ``Proxy-Authorization``; connections are kept per (origin, proxy). A
+  proxy of another scheme (TLS to the proxy itself, SOCKS) is not handled here: ``get``
+  returns None and the caller asks through httpx.
+* ``connect_timeout`` (hosts.toml's ``dial_timeout``) bounds connecting, the tunnel
+  included, when it is shorter than ``timeout``.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import logging
 import ssl
@@ -30,7 +38,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 from imagetool.errors import StoreError, StoreTimeoutError
 from imagetool.stores.base import RangeBody
@@ -47,6 +55,8 @@ MAX_IDLE = 16
 _REDIRECT_BODY_LIMIT = 64 << 10
 _REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 _Origin = tuple[str, str, int]
+# (origin, proxy URL or None): what a kept connection is good for.
+_Route = tuple[_Origin, str | None]
 
 
 class RangeResponse:
@@ -55,11 +65,11 @@ class RangeResponse:
     read to its end."""
 
     def __init__(
-        self, client: RangeClient, origin: _Origin, conn: http.client.HTTPConnection,
+        self, client: RangeClient, route: _Route, conn: http.client.HTTPConnection,
         resp: http.client.HTTPResponse, url: str,
     ) -> None:  # fmt: skip
         self._client = client
-        self._origin = origin
+        self._route = route
         self._conn: http.client.HTTPConnection | None = conn
         self._resp = resp
         self.url = url  # where the answer came from, after redirects
@@ -102,7 +112,7 @@ class RangeResponse:
         if conn is None:
             return
         if self._resp.isclosed():  # read to its end: the connection can take another request
-            self._client._release(self._origin, conn)
+            self._client._release(self._route, conn)
         else:
             self._resp.close()
             conn.close()
@@ -119,15 +129,17 @@ class RangeClient:
 
     def __init__(
         self, *, ssl_context: Callable[[], ssl.SSLContext], timeout: float, user_agent: str,
-        max_idle: int = MAX_IDLE,
+        max_idle: int = MAX_IDLE, connect_timeout: float | None = None, proxy: str | None = None,
     ) -> None:  # fmt: skip
         self.ssl_context = ssl_context  # called per https connection (callers cache it)
         self.timeout = timeout
+        self.connect_timeout = min(timeout, connect_timeout or timeout)
+        self.proxy = proxy  # overrides the environment's for every URL
         self.user_agent = user_agent
         self.max_idle = max_idle
         self._lock = threading.Lock()
-        # per origin: (connection, when it went idle), most recent last
-        self._idle: dict[_Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
+        # per route: (connection, when it went idle), most recent last
+        self._idle: dict[_Route, list[tuple[http.client.HTTPConnection, float]]] = {}
         self._closed = False
         self.connections_opened = 0
         self.disabled: str | None = None  # why the caller stopped asking through this client
@@ -142,21 +154,22 @@ class RangeClient:
 
     def get(self, url: str, headers: Mapping[str, str]) -> RangeResponse | None:
         """GET ``url``, following redirects; the final answer, whatever its status (a body
-        to read), or None when a URL on the way is one for a proxy or the client was
-        disabled. ``headers`` go with every hop, ``Authorization`` only to ``url``'s origin.
-        Raises ``TimeoutError``, or another ``OSError``/``http.client.HTTPException`` when no
-        answer came."""
+        to read), or None when a URL on the way goes through a proxy this client does not
+        speak (see the module docstring) or the client was disabled. ``headers`` go with
+        every hop, ``Authorization`` only to ``url``'s origin. Raises ``TimeoutError``, or
+        another ``OSError``/``http.client.HTTPException`` when no answer came."""
         if self.disabled is not None:
             return None
         first = _origin(url)
         for _ in range(MAX_REDIRECTS + 1):
             origin = _origin(url)
-            if _proxied(origin):
+            proxy = self.proxy or _env_proxy(origin)
+            if proxy is not None and urlsplit(proxy).scheme != "http":
                 return None
             hop = {
                 k: v for k, v in headers.items() if origin == first or k.lower() != "authorization"
             }
-            response = self._send(origin, url, hop)
+            response = self._send((origin, proxy), url, hop)
             if response.status not in _REDIRECT_STATUS:
                 return response
             location = response.header("Location")
@@ -172,11 +185,11 @@ class RangeClient:
         """GET bytes ``[offset, offset+length)`` (length > 0) of ``url``: the response if it
         is exactly that range (``RangeResponse.is_range``), else None and the error that
         came instead ("HTTP status, Content-Range"; "" if it was a success, if no answer
-        came, the URL is one for a proxy or the client was disabled), for the caller to ask
-        again its own way (a 206 of another range: the range runs past the end). A 200
-        (the Range ignored: the server's way, not an error of the moment) disables the
-        client. Raises ``StoreTimeoutError`` when no answer came in time (``where``: for
-        messages)."""
+        came, the URL goes through a proxy it does not speak or the client was disabled),
+        for the caller to ask again its own way (a 206 of another range: the range runs
+        past the end). A 200 (the Range ignored: the server's way, not an error of the
+        moment) disables the client. Raises ``StoreTimeoutError`` when no answer came in
+        time (``where``: for messages)."""
         try:
             resp = self.get(url, {**headers, "Range": f"bytes={offset}-{offset + length - 1}"})
         except TimeoutError:
@@ -207,12 +220,18 @@ class RangeClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, origin: _Origin, url: str, headers: Mapping[str, str]) -> RangeResponse:
+    def _send(self, route: _Route, url: str, headers: Mapping[str, str]) -> RangeResponse:
+        (scheme, _, _), proxy = route
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         hdrs = {"User-Agent": self.user_agent, "Accept-Encoding": "identity", **headers}
+        if proxy is not None and scheme == "http":
+            # In absolute form to the proxy (http.client sends the URL's Host).
+            target = f"http://{parts.netloc.rpartition('@')[2]}{target}"
+            if (auth := _proxy_authorization(proxy)) is not None:
+                hdrs["Proxy-Authorization"] = auth
         while True:
-            conn, kept = self._take(origin)
+            conn, kept = self._take(route)
             try:
                 conn.request("GET", target, headers=hdrs)
                 resp = conn.getresponse()
@@ -224,11 +243,11 @@ class RangeClient:
                 if kept:  # closed by the server while idle: once more on a new connection
                     continue
                 raise
-            return RangeResponse(self, origin, conn, resp, url)
+            return RangeResponse(self, route, conn, resp, url)
 
-    def _take(self, origin: _Origin) -> tuple[http.client.HTTPConnection, bool]:
+    def _take(self, route: _Route) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
-            idle = self._idle.get(origin, [])
+            idle = self._idle.get(route, [])
             now = time.monotonic()
             expired = [conn for conn, since in idle if now - since >= KEEPALIVE_EXPIRY]
             idle[:] = [(conn, since) for conn, since in idle if now - since < KEEPALIVE_EXPIRY]
@@ -237,23 +256,37 @@ class RangeClient:
             conn.close()
         if kept is not None:
             return kept, True
-        scheme, host, port = origin
+        (scheme, host, port), proxy = route
+        at_host, at_port = host, port
+        if proxy is not None:
+            p = urlsplit(proxy)
+            at_host, at_port = p.hostname or "", p.port or 80
         conn: http.client.HTTPConnection
         if scheme == "https":
             conn = http.client.HTTPSConnection(
-                host, port, timeout=self.timeout, context=self.ssl_context()
+                at_host, at_port, timeout=self.connect_timeout, context=self.ssl_context()
             )
+            if proxy is not None:
+                auth = _proxy_authorization(proxy)
+                conn.set_tunnel(host, port, {"Proxy-Authorization": auth} if auth else None)
         else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+            conn = http.client.HTTPConnection(at_host, at_port, timeout=self.connect_timeout)
+        try:
+            conn.connect()
+        except BaseException:
+            conn.close()
+            raise
+        if conn.sock is not None:
+            conn.sock.settimeout(self.timeout)
         with self._lock:
             self.connections_opened += 1
         return conn, False
 
-    def _release(self, origin: _Origin, conn: http.client.HTTPConnection) -> None:
+    def _release(self, route: _Route, conn: http.client.HTTPConnection) -> None:
         if conn.sock is None:  # the server said it closes the connection
             return
         with self._lock:
-            idle = self._idle.setdefault(origin, [])
+            idle = self._idle.setdefault(route, [])
             if not self._closed and len(idle) < self.max_idle:
                 idle.append((conn, time.monotonic()))
                 return
@@ -293,12 +326,22 @@ def _origin(url: str) -> _Origin:
     return scheme, parts.hostname, parts.port or (443 if scheme == "https" else 80)
 
 
-def _proxied(origin: _Origin) -> bool:
-    """Whether the environment sends requests to ``origin`` through a proxy."""
+def _env_proxy(origin: _Origin) -> str | None:
+    """The proxy the environment sends requests to ``origin`` through, if any."""
     proxies = urllib.request.getproxies_environment()
-    if not (proxies.get(origin[0]) or proxies.get("all")):
-        return False
-    return not urllib.request.proxy_bypass_environment(f"{origin[1]}:{origin[2]}", proxies)
+    proxy = proxies.get(origin[0]) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass_environment(f"{origin[1]}:{origin[2]}", proxies):
+        return None
+    return proxy if "://" in proxy else f"http://{proxy}"
+
+
+def _proxy_authorization(proxy: str) -> str | None:
+    """``Proxy-Authorization`` for the ``user:password@`` of a proxy URL, if it has one."""
+    parts = urlsplit(proxy)
+    if parts.username is None:
+        return None
+    secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(secret.encode()).decode()
 
 
 def _discard(response: RangeResponse) -> None:

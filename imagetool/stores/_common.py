@@ -51,19 +51,20 @@ def verify_source(digest: str, source: Path | bytes, where: str) -> None:
 
 
 def check_publishable(store: Store, tag: str, index_bytes: bytes) -> Index:
-    """Validate a publish: a good tag, a well-formed index, its data blob present in full."""
+    """Validate a publish: a good tag, a well-formed index, its data blobs present in full."""
     check_tag(tag)
     index = Index.from_bytes(index_bytes)
-    try:
-        size = store.blob_size(index.blob_digest)
-    except NotFoundError:
-        raise NotFoundError(
-            f"{store.url}: cannot publish {store.name}:{tag}: data blob {index.blob_digest} "
-            "is not in the store (put it first)"
-        ) from None
-    if size != index.blob_size:
-        raise StoreError(
-            f"{store.url}: cannot publish {store.name}:{tag}: data blob {index.blob_digest} "
-            f"has {size} bytes, the index says {index.blob_size}"
-        )
+    for blob in index.blobs:
+        try:
+            size = store.blob_size(blob.digest)
+        except NotFoundError:
+            raise NotFoundError(
+                f"{store.url}: cannot publish {store.name}:{tag}: data blob {blob.digest} "
+                "is not in the store (put it first)"
+            ) from None
+        if size != blob.size:
+            raise StoreError(
+                f"{store.url}: cannot publish {store.name}:{tag}: data blob {blob.digest} "
+                f"has {size} bytes, the index says {blob.size}"
+            )
     return index

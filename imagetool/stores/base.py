@@ -15,9 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from imagetool.registry.hosts import HostsConfig
     from imagetool.stores.refs import ImageRef
 
 
@@ -32,6 +33,11 @@ class StoreOptions:
     # (username, secret) for the registry host, given at run time (e.g. by a CRI pull):
     # used instead of docker_config; held in memory, never written or shown in a repr.
     credentials: tuple[str, str] | None = field(default=None, repr=False)
+    # containerd's registry hosts directory, read (``imagetool.registry.hosts``): the
+    # mirrors to read blobs from and each registry's server; None: the registries alone.
+    registry_hosts: HostsConfig | None = None
+    mirror_timeout: float = 5.0  # seconds a mirror may take to connect or send more bytes
+    mirror_backoff: float = 30.0  # seconds a failed mirror is skipped (doubling, capped)
 
 
 class RangeBody(ABC):
@@ -60,10 +66,24 @@ class RangeBody(ABC):
                 )
             self.position += n
 
+    def read_some(self, out: memoryview) -> int:
+        """Up to ``len(out)`` (> 0) of the next bytes of the range into ``out``; how many
+        (0 at its end). Errors as ``readinto``."""
+        if self.position >= self.length or not out:
+            return 0
+        n = self._read_some(out[: self.length - self.position])
+        self.position += n
+        return n
+
     @abstractmethod
     def _read_some(self, out: memoryview) -> int:
         """Up to ``len(out)`` (> 0) bytes from ``position`` on into ``out``; how many, 0
         at the end."""
+
+    def reject(self, reason: str) -> None:  # noqa: B027 - optional hook
+        """The caller found the bytes it read last (``readinto``) to be corrupt: a store
+        that has other sources for them (registry mirrors) stops using this one for a
+        while. The caller asks for them again; nothing is returned here."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the connection or file."""
@@ -129,6 +149,12 @@ class Store(ABC):
         if sha256_digest(data) != digest:
             raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
         return data
+
+    def source_stats(self) -> list[dict[str, Any]]:
+        """What each host this store reads blobs from did (a registry's mirrors and server,
+        ``imagetool.registry.mirrors``): one dict per host; empty for a store of one
+        source."""
+        return []
 
     @abstractmethod
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:

@@ -5,13 +5,17 @@ under the tag, whose
 
 - config is a standard OCI image config: architecture/os from the index's platform, the
   source image's ``config`` (Entrypoint, Env, User, WorkingDir, ...), and ``rootfs.diff_ids``
-  = [data blob digest, index digest];
-- layers are [the data blob (``format.BLOB_MEDIA_TYPE``), the index
-  (``format.INDEX_MEDIA_TYPE``)], annotated with ``format.ANNOTATION_ROLE`` and, on the index
-  layer and the manifest, ``ANNOTATION_INDEX_DIGEST``/``ANNOTATION_BLOB_DIGEST``.
+  = [each data blob's digest, index digest];
+- layers are [each data blob of the index, in its order (``format.BLOB_MEDIA_TYPE``), the
+  index (``format.INDEX_MEDIA_TYPE``)], annotated with ``format.ANNOTATION_ROLE`` and, on
+  the index layer and the manifest, ``ANNOTATION_INDEX_DIGEST``/``ANNOTATION_BLOB_DIGEST``;
+  a version 2 image's data blob layers also say which region they hold and of which source
+  layer (``ANNOTATION_BLOB_ROLE``, ``ANNOTATION_SOURCE_LAYER``).
 
 So any distribution-spec registry that honours ``Range`` can hold block images, and
-``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs.
+``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs:
+a data blob that another image (or tag) already pushed is not uploaded again, and a registry
+keeps it once, as it does an ordinary layer shared by two images.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from imagetool.errors import (
     AuthError,
+    DigestMismatchError,
     FormatError,
     NotFoundError,
     StoreError,
@@ -31,9 +36,11 @@ from imagetool.errors import (
 )
 from imagetool.format import (
     ANNOTATION_BLOB_DIGEST,
+    ANNOTATION_BLOB_ROLE,
     ANNOTATION_INDEX_DIGEST,
     ANNOTATION_ROLE,
     ANNOTATION_SNAPSHOT_ROLE,
+    ANNOTATION_SOURCE_LAYER,
     BLOB_MEDIA_TYPE,
     INDEX_MEDIA_TYPE,
     INDEX_MEDIA_TYPES,
@@ -42,7 +49,7 @@ from imagetool.format import (
     index_media_type,
     sha256_digest,
 )
-from imagetool.registry.client import RegistryClient
+from imagetool.registry.mirrors import HostChain
 from imagetool.stores._common import check_publishable, check_range
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import ImageRef, check_tag
@@ -64,7 +71,10 @@ class RegistryStore(Store):
     """One repository of an OCI registry."""
 
     def __init__(self, host: str, repository: str, options: StoreOptions | None = None) -> None:
-        self.client = RegistryClient(host, repository, options or StoreOptions())
+        # Blobs from the registry's mirrors first (a hosts directory's), the rest from its
+        # server (``client``).
+        self.hosts = HostChain(host, repository, options or StoreOptions())
+        self.client = self.hosts.server
         self.url = f"docker://{host}/{repository}"
         self.name = repository
         # Blob sizes named by the manifests resolve() read (a hint, never trusted alone).
@@ -77,29 +87,52 @@ class RegistryStore(Store):
 
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.read_range(digest, offset, length)
+        return self.hosts.read_range(digest, offset, length)
 
     def open_range(self, digest: str, offset: int, length: int) -> RangeBody:
         check_range(f"{self.url}: blob {digest}", offset, length)
-        return self.client.open_range(digest, offset, length)
+        return self.hosts.open_range(digest, offset, length)
+
+    def source_stats(self) -> list[dict[str, Any]]:
+        return self.hosts.stats()
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest. When a manifest this store
         resolved gave the blob's size, that is one ranged read, without asking the registry
         for the size first (a round trip less when mounting); should that size be wrong, the
-        blob is read as any other."""
+        size is asked for. Bytes that do not match the digest are rejected (a mirror that
+        served them backs off) and read again from the next host, once per host."""
         size = self._manifest_sizes.get(digest)
         if size is not None:
             try:
-                data = self.read_range(digest, 0, size)
+                data = self._read_verified(digest, size)
             except (NotFoundError, AuthError, StoreTimeoutError):
                 raise
             except StoreError as e:
                 log.debug("%s: blob %s by its manifest size: %s", self.url, digest, e)
             else:
-                if sha256_digest(data) == digest:
+                if data is not None:
                     return data
-        return super().read_blob(digest)
+        size = self.blob_size(digest)
+        for _ in range(max(1, len(self.hosts.sources))):
+            data = self._read_verified(digest, size)
+            if data is not None:
+                return data
+        raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
+
+    def _read_verified(self, digest: str, size: int) -> bytes | None:
+        """The blob read as ``size`` bytes, or None (and the bytes rejected) when they do not
+        hash to ``digest``."""
+        if not self.hosts.mirrors:
+            data = self.read_range(digest, 0, size)
+            return data if sha256_digest(data) == digest else None
+        out = bytearray(size)
+        with self.open_range(digest, 0, size) as body:
+            body.readinto(memoryview(out))
+            if sha256_digest(out) == digest:
+                return bytes(out)
+            body.reject(f"blob {digest} does not match its digest")
+        return None
 
     def put_blob(self, digest: str, source: Path | bytes, media_type: str) -> None:
         del media_type  # registry blobs are untyped; the manifest gives the types
@@ -142,7 +175,7 @@ class RegistryStore(Store):
             return []
 
     def close(self) -> None:
-        self.client.close()
+        self.hosts.close()
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
@@ -160,7 +193,10 @@ def image_config(index: Index, index_digest: str) -> bytes:
         "architecture": arch or "amd64",
         "os": os_ or "linux",
         "config": index.config,
-        "rootfs": {"type": "layers", "diff_ids": [index.blob_digest, index_digest]},
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": [*(b.digest for b in index.blobs), index_digest],
+        },
     }
     if variant:
         doc["variant"] = variant
@@ -171,18 +207,27 @@ def image_manifest(
     index: Index, index_digest: str, index_blob: bytes, config_digest: str, config: bytes
 ) -> bytes:
     """The OCI image manifest of a block image (deterministic bytes)."""
-    digests = {ANNOTATION_INDEX_DIGEST: index_digest, ANNOTATION_BLOB_DIGEST: index.blob_digest}
+    digests = {
+        ANNOTATION_INDEX_DIGEST: index_digest,
+        ANNOTATION_BLOB_DIGEST: ",".join(b.digest for b in index.blobs),
+    }
+    blobs = []
+    for b in index.blobs:
+        annotations = {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"}
+        if index.version > 1:
+            annotations[ANNOTATION_BLOB_ROLE] = b.role
+            if b.layer:
+                annotations[ANNOTATION_SOURCE_LAYER] = b.layer
+        blobs.append(
+            {"mediaType": BLOB_MEDIA_TYPE, "digest": b.digest, "size": b.size,
+             "annotations": annotations}
+        )  # fmt: skip
     doc = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
         "layers": [
-            {
-                "mediaType": BLOB_MEDIA_TYPE,
-                "digest": index.blob_digest,
-                "size": index.blob_size,
-                "annotations": {ANNOTATION_ROLE: "blob", ANNOTATION_SNAPSHOT_ROLE: "blob"},
-            },
+            *blobs,
             {
                 "mediaType": index_media_type(index_blob),
                 "digest": index_digest,

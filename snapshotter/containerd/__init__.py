@@ -9,6 +9,8 @@
 * ``mounter``: mounting those images through ``snapshotter.mount``, with credentials;
 * ``pull``: ``snapshotter pull``, a lazy pull for ctr users: containerd's client steps
   (content, Prepare with the labels above, image record) over containerd's own API;
+* ``nodecheck``: ``snapshotter check``, whether the node can pull lazily and what to fix,
+  reading containerd's configuration per version with ``ctrdconfig``;
 * ``keychain``: credentials of pulls (``cri``: the kubelet's, through a CRI image service
   proxy) and of the node (``dockerconfig``: docker configs and Kubernetes secrets);
 * ``proto``: the ``.proto`` files and their generated stubs.

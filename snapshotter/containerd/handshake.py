@@ -6,7 +6,7 @@ ID and ``containerd.io/snapshot/remote`` = ``remote`` - and answer ALREADY_EXIST
 then finds it (a List with ``labels."containerd.io/snapshot.ref"==<chainID>,parent==
 <parent>``), records it as the layer's snapshot and never fetches the layer blob.
 
-The blob layer becomes an empty committed snapshot; the index layer's snapshot is the
+Each data blob layer becomes an empty committed snapshot; the index layer's snapshot is the
 mounted block image (``mounter.MountBackend``: FUSE + erofs, metadata first), so the image's
 root file system is the index layer's snapshot and a container is an overlay with it as the
 lower layer. ``restore`` and ``ensure_mounted`` remount the images whose mount is gone (a
@@ -22,13 +22,12 @@ with ``enable_remote_snapshot_annotations`` in the proxy plugin's exports) inste
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 from snapshotter.config import Config
 from snapshotter.containerd.keychain.cri import Keychain
-from snapshotter.containerd.keychain.dockerconfig import Credentials
+from snapshotter.containerd.keychain.dockerconfig import Credentials, node_sources
 from snapshotter.containerd.layers import (
     INHERITED_PREFIX,
     LABEL_REMOTE,
@@ -70,7 +69,7 @@ class RemoteLayers:
         """From the daemon's configuration: registry manifests and mounts with its
         options, credentials merged under its root."""
         credentials = Credentials(
-            sources=_credential_sources(config.mount.store.docker_config),
+            sources=node_sources(config.mount.store.docker_config),
             out=config.service.root / "auth" / "config.json",
         )
         mounter = MountBackend(config.mount, config.service.insecure_registries, credentials)
@@ -162,9 +161,3 @@ class RemoteLayers:
             self.mounter.mount(remote.ref, mountpoint)
         log.info("remote snapshot %s: remounted at %s", name, mountpoint)
         return True
-
-
-def _credential_sources(configured: Path | None) -> list[Path]:
-    sources = [configured] if configured else []
-    sources.append(Path(os.environ.get("DOCKER_CONFIG", "/root/.docker")))
-    return sources

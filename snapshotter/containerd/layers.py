@@ -12,13 +12,13 @@ chain's snapshot>)`` with the labels
     containerd.io/snapshot/<anything>           the layer descriptor's annotations with this
                                                 prefix (inherited by every client)
 
-A block image in a registry has two layers (``imagetool.stores.registry``): the data blob,
-then the index. Which layer is which comes from the descriptor annotations
-(``containerd.io/snapshot/lazyblock.role`` when the image carries them) or, failing that,
-from the image manifest fetched by digest (cached): the layer's media type or
-``dev.lazyblock.role`` annotation. ``LayerResolver.resolve`` turns the labels into a
-``RemoteLayer`` or None: anything else - no chain ID label, an ordinary layer, a manifest we
-cannot read - is left to the normal unpack path.
+A block image in a registry has a layer per data blob (``imagetool.stores.registry``; one in
+format v1, one per source layer and more in v2), then the index. Which layer is which comes
+from the descriptor annotations (``containerd.io/snapshot/lazyblock.role`` when the image
+carries them) or, failing that, from the image manifest fetched by digest (cached): the
+layer's media type or ``dev.lazyblock.role`` annotation. ``LayerResolver.resolve`` turns the
+labels into a ``RemoteLayer`` or None: anything else - no chain ID label, an ordinary layer, a
+manifest we cannot read - is left to the normal unpack path.
 """
 
 from __future__ import annotations

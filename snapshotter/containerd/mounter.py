@@ -6,20 +6,52 @@ check a remote snapshot's image (``snapshots.RemoteMounter``). Each mount goes t
 restart under running containers. The mount's store options are the daemon's, with plain
 HTTP for the registries configured as insecure, and credentials: those a CRI pull of the
 repository recorded (``keychain.cri``) first, else the node's docker config merged from its
-sources (``keychain.dockerconfig``).
+sources (``keychain.dockerconfig``). The registry hosts directory (``RegistryHostsWatch``)
+is read again when a file under it changes; a malformed change keeps the previous one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from pathlib import Path
 
-from snapshotter.config import MountConfig
+from imagetool.registry.hosts import HostsConfig, hosts_dir_stamp
+from snapshotter.config import ConfigError, MountConfig, read_registry_hosts
 from snapshotter.containerd.keychain.cri import Keychain
 from snapshotter.containerd.keychain.dockerconfig import Credentials
 from snapshotter.mount import api, state
+
+log = logging.getLogger(__name__)
+
+
+class RegistryHostsWatch:
+    """The daemon's registry hosts directory (``MountConfig.registry_config_path``), as
+    containerd reads it: changes apply to the next mounts without a restart. Read again
+    when a file under it changes; a change that does not parse is logged (the file and the
+    problem) and the configuration read before stays in force."""
+
+    def __init__(self, path: Path | None, initial: HostsConfig | None) -> None:
+        self.path = path
+        self.current = initial
+        self._stamp = hosts_dir_stamp(path) if path is not None else ()
+        self._lock = threading.Lock()
+
+    def get(self) -> HostsConfig | None:
+        if self.path is None:
+            return self.current
+        stamp = hosts_dir_stamp(self.path)
+        with self._lock:
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self.current = read_registry_hosts(self.path)
+                    log.info("registry hosts directory %s read again", self.path)
+                except ConfigError as e:
+                    log.error("%s; keeping the previous registry hosts configuration", e)
+            return self.current
 
 
 class MountBackend:
@@ -39,6 +71,7 @@ class MountBackend:
         self.keychain = keychain if keychain is not None else Keychain()
         self._locks: dict[Path, threading.RLock] = {}
         self._locks_lock = threading.Lock()
+        self.hosts = RegistryHostsWatch(config.registry_config_path, config.store.registry_hosts)
 
     def lock(self, mountpoint: Path) -> threading.RLock:
         """The lock that mounting and unmounting ``mountpoint`` hold."""
@@ -47,7 +80,8 @@ class MountBackend:
 
     def config_for(self, ref: str) -> MountConfig:
         """The mount config for ``ref``: plain HTTP for insecure hosts, the credentials of
-        a CRI pull of its repository if there was one, else the merged docker config."""
+        a CRI pull of its repository if there was one, else the merged docker config, and
+        the registry hosts directory as it is now."""
         host, _, path = ref.removeprefix("docker://").partition("/")
         store = self.config.store
         changes: dict[str, object] = {}
@@ -58,6 +92,9 @@ class MountBackend:
         secret = self.keychain.lookup(host, path.split("@", 1)[0].split(":", 1)[0])
         if secret is not None:
             changes["credentials"] = secret
+        hosts = self.hosts.get()
+        if hosts != store.registry_hosts:
+            changes["registry_hosts"] = hosts
         if changes:
             return dataclasses.replace(
                 self.config,

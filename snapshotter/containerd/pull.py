@@ -207,7 +207,8 @@ def node_platform() -> str:
     return f"linux/{_ARCH_ALIASES.get(machine, machine)}"
 
 
-def _platform_parts(text: str) -> tuple[str, str, str]:
+def platform_parts(text: str) -> tuple[str, str, str]:
+    """(os, arch, variant) of ``os/arch[/variant]``, arch names as containerd's."""
     parts = text.strip().lower().split("/")
     if len(parts) not in (2, 3) or not all(parts):
         raise PullError(f"invalid platform {text!r}: expected os/arch[/variant]")
@@ -238,7 +239,7 @@ def _json(data: bytes, what: str) -> dict[str, Any]:
 def resolve(name: ImageName, options: PullOptions) -> ResolvedImage:
     """Read the image from its registry and check that it is a lazyblock block image."""
     platform = options.platform or node_platform()
-    want = _platform_parts(platform)
+    want = platform_parts(platform)
     source = {LABEL_DISTRIBUTION_SOURCE + name.host: name.repository}
     documents: list[Document] = []
     with RegistryClient(name.host, name.repository, options.store) as client:
@@ -313,7 +314,7 @@ def _lazyblock_layers(
         )
     if set(roles) != {ROLE_BLOB, ROLE_INDEX}:
         raise PullError(
-            f"{name}: layers of roles {roles} are not a lazyblock block image (a data blob "
+            f"{name}: layers of roles {roles} are not a lazyblock block image (data blobs "
             "and an index); convert the image again with imagetool"
         )
     return layers, config

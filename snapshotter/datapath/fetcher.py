@@ -8,8 +8,9 @@ store:
   sectors are not stored anywhere and cost nothing.
 * **Single flight.** Each missing sector has at most one fetch in flight; concurrent readers
   of the same sector wait on that fetch instead of issuing their own.
-* **Coalescing.** Misses that are adjacent in the data blob (consecutive sectors, or separated
-  only by all-zero sectors, which the blob omits) become one ranged read, up to
+* **Coalescing.** Misses that are adjacent in one data blob (consecutive sectors of it, or
+  separated only by all-zero sectors, which no blob holds, or by other blobs' sectors) become
+  one ranged read of that blob, up to
   ``max_request_bytes`` (a longer run is cut into even pieces). Every request costs the store
   (and us) a fixed overhead: a loopback docker-registry spends ~5 ms of CPU on each, and
   with one request per 2 MiB compressed sector it was the biggest user of CPU after the
@@ -31,8 +32,9 @@ store:
   ``cancel_readahead`` drops those nobody waits on yet. Sectors already cached are only
   hinted to the kernel.
 * **Verification.** Every stored sector goes through ``Index.decode_sector_into`` before it is
-  cached or returned; a sector that fails is refetched (counting against ``retries``) and
-  never served or cached.
+  cached or returned (a raw sector is received straight into its memory and checked there,
+  ``Index.verify_raw``: a hash, no decompression, no copy); a sector that fails is refetched
+  (counting against ``retries``) and never served or cached.
 * **Timeouts that hold.** The store is called on a separate thread per request and the worker
   waits at most ``request_timeout`` for each of its sectors, so a store call that hangs is
   abandoned (the rest of its result ignored), not waited on; a reader waits at most until
@@ -67,7 +69,7 @@ from imagetool.errors import (
     NotFoundError,
     StoreTimeoutError,
 )
-from imagetool.format import Index, blob_range, coalesce
+from imagetool.format import Index, blob_range, blob_runs, coalesce
 from imagetool.stores.base import Store
 from snapshotter.cache.entry import EntryBuffer
 from snapshotter.cache.sectors import SectorCache
@@ -548,21 +550,12 @@ class SectorFetcher:
         return data
 
     def _plan(self, numbers: list[int]) -> list[list[int]]:
-        """Coalesce stored sectors into blob-contiguous runs, each cut into as few requests
-        of at most ``max_request_bytes`` as it takes, of about equal size: four 2.1 MB
-        sectors under an 8 MiB limit are two requests of two, not three and one. A single
-        sector is never split."""
+        """Coalesce stored sectors into runs contiguous in one blob (``blob_runs``), each
+        cut into as few requests of at most ``max_request_bytes`` as it takes, of about
+        equal size: four 2.1 MB sectors under an 8 MiB limit are two requests of two, not
+        three and one. A single sector is never split."""
         most = self.config.max_request_bytes
-        sectors = self.index.sectors
-        runs: list[list[int]] = []
-        for run in coalesce(numbers):
-            for n in run:
-                # only all-zero sectors (absent from the blob) in between
-                if runs and all(sectors[z].is_zero for z in range(runs[-1][-1] + 1, n)):
-                    runs[-1].append(n)
-                else:
-                    runs.append([n])
-        return [piece for run in runs for piece in self._split(run, most)]
+        return [piece for run in blob_runs(self.index, numbers) for piece in self._split(run, most)]
 
     def _split(self, run: list[int], most: int) -> list[list[int]]:
         """``run`` (blob-contiguous stored sectors) in the fewest pieces of about equal size
@@ -746,14 +739,15 @@ class SectorFetcher:
         index = self.index
         first, last = t.sectors[0], t.sectors[-1]
         wanted = set(t.sectors)
-        offset, length = blob_range(index, range(first, last + 1))
+        blob, offset, length = blob_range(index, t.sectors)
+        number = index.sectors[first].blob
         start = time.monotonic()
         buf = self._take_buffer()
         try:
-            with self.store.open_range(index.blob_digest, offset, length) as body:
+            with self.store.open_range(blob.digest, offset, length) as body:
                 for n in range(first, last + 1):
                     entry = index.sectors[n]
-                    if entry.is_zero:
+                    if entry.is_zero or entry.blob != number:
                         continue
                     at = offset + body.position
                     if entry.offset < at or entry.offset + entry.length > offset + length:
@@ -765,18 +759,24 @@ class SectorFetcher:
                         skip = min(len(buf), entry.offset - at)
                         body.readinto(memoryview(buf)[:skip])
                         at += skip
-                    view = memoryview(buf)[: entry.length]
+                    decoded = EntryBuffer(index.sector_span(n)[1]) if n in wanted else None
+                    # Decoded straight into the memory its cache entry is written from; a
+                    # raw sector's stored bytes are received there and only hashed.
+                    raw = decoded is not None and entry.raw
+                    view = decoded.data if raw else memoryview(buf)[: entry.length]
                     body.readinto(view)
                     self.metrics.bytes_fetched.inc(entry.length)
-                    if n not in wanted:
+                    if decoded is None:
                         continue
-                    # Decoded straight into the memory its cache entry is written from.
-                    decoded = EntryBuffer(index.sector_span(n)[1])
                     try:
-                        index.decode_sector_into(n, view, decoded.data)
+                        if raw:
+                            index.verify_raw(n, view)
+                        else:
+                            index.decode_sector_into(n, view, decoded.data)
                     except ChecksumError as e:
                         self.metrics.checksum_errors.inc()
                         log.warning("%s from %s; refetching", e, self.store.url)
+                        body.reject(str(e))  # a mirror that served it is skipped for a while
                         t.fail(e)
                         continue
                     if not t.claim(n):

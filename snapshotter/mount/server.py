@@ -8,7 +8,8 @@ the foreground. In order, it:
 2. starts the prefetcher (``snapshotter.datapath.prefetch``), then fetches the metadata
    sectors (in parallel, through the fetcher: coalesced requests on its workers, ahead of
    the prefetch) into the node's sector cache, while another thread asks the store for the
-   data blob's size (it must match the index's; checked before step 5);
+   size of each data blob the index names (each must match the index's; checked before
+   step 5);
 3. serves the FUSE file (``snapshotter.mount.fuse`` over ``fusewire``) on its threads;
 4. puts the kernel's erofs on it at the mountpoint (``snapshotter.mount.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
@@ -44,6 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any, Generic, TypeVar
@@ -137,7 +139,7 @@ class MountServer:
         self.index_digest = self.store.resolve_ref(ref)
         phases.done("resolve")
         self.index = self._load_index()
-        blob_size = _Task("lazyblock-blob-size", self.store.blob_size, self.index.blob_digest)
+        blob_sizes = _Task("lazyblock-blob-size", blob_sizes_of, self.store, self.index)
         phases.done("index_read")  # read (or taken from the node) and verified
 
         self.cache = opening.result(phases.started + cfg.mount_timeout)
@@ -159,8 +161,8 @@ class MountServer:
                 range(self.index.metadata_sectors), time.monotonic() + cfg.mount_timeout
             )
         except SnapshotterError:
-            if blob_size.wait(1.0):  # "no such blob" says more
-                self._check_blob_size(blob_size.result(0.0))
+            if blob_sizes.wait(1.0):  # "no such blob" says more
+                self._check_blob_sizes(blob_sizes.result(0.0))
             raise
         phases.done("metadata")
 
@@ -184,7 +186,7 @@ class MountServer:
         if cfg.kernel_read_ahead_kb:
             kernel.set_read_ahead(self.mountpoint, cfg.kernel_read_ahead_kb)
         phases.done("kernel")
-        self._check_blob_size(blob_size.result(phases.started + cfg.mount_timeout))
+        self._check_blob_sizes(blob_sizes.result(phases.started + cfg.mount_timeout))
         phases.done("blob_check")
         self._mount_seconds = phases.seconds()
         if launched is not None:
@@ -212,10 +214,14 @@ class MountServer:
         self._index_cached = True
         return Index.from_bytes(data)
 
-    def _check_blob_size(self, size: int) -> None:
+    def _check_blob_sizes(self, sizes: dict[str, int]) -> None:
         assert self.index is not None
-        if size != self.index.blob_size:
-            raise FormatError(f"data blob {self.index.blob_digest} has the wrong size")
+        for blob in self.index.blobs:
+            if sizes[blob.digest] != blob.size:
+                raise FormatError(
+                    f"data blob {blob.digest} has {sizes[blob.digest]} bytes, "
+                    f"the index says {blob.size}"
+                )
 
     def _attach(self) -> None:
         image = self.fuse_dir / fuse.IMAGE_NAME
@@ -334,9 +340,11 @@ class MountServer:
                 "sectors": idx.sector_count,
                 "stored_sectors": sum(1 for s in idx.sectors if not s.is_zero),
                 "metadata_sectors": idx.metadata_sectors,
-                "blob_size": idx.blob_size,
+                "blob_size": sum(b.size for b in idx.blobs),
+                "blobs": len(idx.blobs),
             },
             "fetch": self.metrics.snapshot(),
+            "sources": self.store.source_stats(),
             "readahead_sectors": self.fetcher.readahead_sectors.value if self.fetcher else 0,
             "reads": {
                 "touched_sectors": len(touched),
@@ -363,6 +371,21 @@ class MountServer:
         if request.get("sectors"):
             return {"sectors": self.reader.touched_sectors()}
         return {"files": self.operations.touched_files()}
+
+
+# Blob sizes asked for at once while mounting (a registry HEAD each).
+BLOB_SIZE_REQUESTS = 8
+
+
+def blob_sizes_of(store: Store, index: Index) -> dict[str, int]:
+    """The store's size of each data blob ``index`` names (``NotFoundError`` for one it
+    lacks), asked for in parallel."""
+    digests = list(dict.fromkeys(b.digest for b in index.blobs))
+    if len(digests) <= 1:
+        return {d: store.blob_size(d) for d in digests}
+    workers = min(BLOB_SIZE_REQUESTS, len(digests))
+    with ThreadPoolExecutor(workers, thread_name_prefix="lazyblock-blob-size") as pool:
+        return dict(zip(digests, pool.map(store.blob_size, digests), strict=True))
 
 
 class MountServerError(SnapshotterError):

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +145,14 @@ class SnapshotterDaemon:
 
 class Containerd:
     def __init__(
-        self, root: Path, snapshotter: SnapshotterDaemon, registry_host: str, flavour: Flavour
+        self,
+        root: Path,
+        snapshotter: SnapshotterDaemon,
+        registry_host: str,
+        flavour: Flavour,
+        edit: Callable[[str], str] | None = None,
     ) -> None:
+        """``edit``: changes the config text before containerd starts (a broken node)."""
         self.root = root
         self.address = root / "containerd.sock"
         self.config = root / "config.toml"
@@ -159,7 +165,7 @@ class Containerd:
             )
         else:
             text = config_v2(root, self.address, snapshotter.address, registry_host)
-        self.config.write_text(text)
+        self.config.write_text(edit(text) if edit else text)
         self.log = root / "containerd.log"
         logf = open(self.log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -349,6 +355,14 @@ def registry_blob_bytes(registry: Registry, digest: str, since: int = 0) -> int:
         if m:
             total += int(m.group(1))
     return total
+
+
+def registry_data_bytes(registry: Registry, manifest: dict, since: int = 0) -> tuple[int, int]:
+    """(bytes the registry sent of a block image's data blobs after ``since``, their size):
+    every layer but the index (one in format v1; metadata, layers and hot copies in v2)."""
+    data = [d for d in manifest["layers"] if d["annotations"].get("dev.lazyblock.role") == "blob"]
+    read = sum(registry_blob_bytes(registry, d["digest"], since) for d in data)
+    return read, sum(d["size"] for d in data)
 
 
 def wait_no_snapshots(node: Containerd, namespace: str, timeout: float = 20) -> list[str]:

@@ -32,7 +32,7 @@ from harness import (
     alive_at,
     find_flavour,
     kill_mount_servers,
-    registry_blob_bytes,
+    registry_data_bytes,
     registry_log_end,
     running_node,
     sample_image,
@@ -188,7 +188,6 @@ def test_pull_with_credentials_runs_lazily(
     auth_node: Containerd, auth_registry: AuthRegistry, secure_image
 ) -> None:
     ref, manifest = secure_image
-    blob = manifest["layers"][0]
     start = registry_log_end(auth_registry)
     image_ref = proxy_pull(auth_node, ref, username=USER, password=PASSWORD)
     assert image_ref.startswith("sha256:")
@@ -201,8 +200,8 @@ def test_pull_with_credentials_runs_lazily(
     run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
     out = auth_node.ctr(*run, "sec1", namespace=CRI_NAMESPACE).stdout
     assert out == "hello from lazyblock\n"
-    read = registry_blob_bytes(auth_registry, blob["digest"], start)
-    assert 0 < read < blob["size"] // 4, (read, blob["size"])
+    read, size = registry_data_bytes(auth_registry, manifest, start)
+    assert 0 < read < size // 4, (read, size)
 
     # The mount server renews its token with the recorded credentials: after the first
     # token died it still reads data it never read.
@@ -235,14 +234,13 @@ def test_pull_through_the_transfer_service(
     plugin's ``enable_remote_snapshot_annotations`` export, the credentials from the
     keychain, and the image still mounts lazily."""
     ref, manifest = secure_image
-    blob = manifest["layers"][0]
     start = registry_log_end(auth_registry)
     proxy_pull(transfer_node, ref, username=USER, password=PASSWORD)
     assert "Falling back to local image pull mode" not in transfer_node.log.read_text()
     out = transfer_node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "tr1",
                             namespace=CRI_NAMESPACE).stdout  # fmt: skip
     assert out == "hello from lazyblock\n"
-    read = registry_blob_bytes(auth_registry, blob["digest"], start)
-    assert 0 < read < blob["size"] // 4, (read, blob["size"])
+    read, size = registry_data_bytes(auth_registry, manifest, start)
+    assert 0 < read < size // 4, (read, size)
     assert "credentials recorded for" in transfer_node.snapshotter.log_text()
     assert_no_secret(transfer_node)

@@ -52,7 +52,6 @@ def test_pull_then_ctr_run(node: Containerd, registry: Registry, lazy_image) -> 
     from snapshotter.mount import api as mount_mod
 
     ref, manifest = lazy_image
-    blob = manifest["layers"][0]
     start = harness.registry_log_end(registry)
     try:
         pulled = lazy_pull(node, ref)
@@ -64,17 +63,23 @@ def test_pull_then_ctr_run(node: Containerd, registry: Registry, lazy_image) -> 
         out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "pull2", "/bin/sh",
                        "-c", "echo $GREETING; pwd; ls /app").stdout  # fmt: skip
         assert out == "hi\n/app\ndata.bin\nmsg\n"
-        read = harness.registry_blob_bytes(registry, blob["digest"], start)
-        assert 0 < read < blob["size"] // 4, (read, blob["size"])
+        read, size = harness.registry_data_bytes(registry, manifest, start)
+        assert 0 < read < size // 4, (read, size)
 
-        # Both layers are remote snapshots named by their chain IDs; the image's config
+        # Every layer is a remote snapshot named by its chain ID; the image's config
         # holds the top one for containerd's garbage collector.
         snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls").stdout.splitlines()
         rows = [line.split() for line in snaps[1:]]  # KEY [PARENT] KIND
-        assert sorted(len(row) for row in rows) == [2, 3]
+        layers = len(manifest["layers"])
+        assert sorted(len(row) for row in rows) == [2] + [3] * (layers - 1)
         assert all(row[-1] == "Committed" for row in rows)
-        top = next(row for row in rows if len(row) == 3)
-        assert top[1] == next(row for row in rows if len(row) == 2)[0]
+        parent_of = {row[0]: row[1] if len(row) == 3 else None for row in rows}
+        (top,) = [row for row in rows if row[0] not in parent_of.values()]
+        chain, at = [], top[0]
+        while at is not None:  # one chain, top to bottom, through every layer
+            chain.append(at)
+            at = parent_of[at]
+        assert len(chain) == layers
         for row in rows:
             info = json.loads(
                 node.ctr("snapshots", "--snapshotter", "lazyblock", "info", row[0]).stdout

@@ -71,24 +71,43 @@ def test_conversion_is_deterministic(umoci_image, tmp_path):
     assert blobs_a == blobs_b
 
 
-def test_small_sectors_and_profile_layout(umoci_image, tmp_path):
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_small_sectors_and_profile_layout(umoci_image, tmp_path, version):
     profile = tmp_path / "profile.txt"
     profile.write_text("/app/run.sh\n/data/big.bin\n/etc/hostname\n")
     ref = f"{tmp_path}/store/app:prof"
     imagetool("convert", "-q", "--sector-size", "64KiB", "--profile", str(profile),
-              umoci_image.spec, ref)  # fmt: skip
+              "--format-version", version, umoci_image.spec, ref)  # fmt: skip
     store = tmp_path / "store"
     digest = (store / "refs/app/prof").read_text().strip()
     stored = (store / "blobs/sha256" / digest.split(":")[1]).read_bytes()
-    index = json.loads(imagetool("inspect", "--index", ref).out)
-    assert Index.from_dict(index).to_blob() == stored  # the index as stored: compressed
-    files = [f[0] for f in index["files"]]
-    assert files[:3] == ["/app/run.sh", "/data/big.bin", "/etc/hostname"]
-    offsets = [f[1] for f in index["files"]]
+    doc = json.loads(imagetool("inspect", "--index", ref).out)
+    index = Index.from_dict(doc)
+    assert index.to_blob() == stored  # the index as stored: compressed
+    assert index.version == int(version)
+    offsets = [f.offset for f in index.files]
     assert offsets == sorted(offsets)  # contiguous data in layout order
-    assert index["prefetch"], "a profile gives a prefetch order"
-    # The big file spans several 64 KiB sectors, the profile's sectors come first.
-    assert len(index["prefetch"]) >= 500_004 // (64 << 10)
+    extent = {f.path: f for f in index.files}
+    run, big, hostname = extent["/app/run.sh"], extent["/data/big.bin"], extent["/etc/hostname"]
+    if version == "1":
+        assert [f.path for f in index.files[:3]] == ["/app/run.sh", "/data/big.bin",
+                                                     "/etc/hostname"]  # fmt: skip
+    else:
+        # The small profile files are copies in the hot regions of their layers, ahead of the
+        # layer regions; the big one stays where its layer has it, on a sector boundary.
+        assert {f.path for f in index.files[:2]} == {"/etc/hostname", "/app/run.sh"}
+        first = index.sectors_for_range
+        assert index.blob_of(first(hostname.offset, 1)[0]).role == "hot"
+        assert index.blob_of(first(run.offset, 1)[0]).role == "hot"
+        assert index.blob_of(first(big.offset, 1)[0]).role == "layer"
+        assert big.offset % (64 << 10) == 0
+    # The profile's sectors in first-access order: run.sh's, the big file's, hostname's (but
+    # the metadata sectors, which a mount fetches first anyway).
+    sectors = [index.sectors_for_range(f.offset, f.length) for f in (run, big, hostname)]
+    want = list(dict.fromkeys(n for r in sectors for n in r if n >= index.metadata_sectors))
+    want = [n for n in want if not index.sectors[n].is_zero]
+    assert [n for n in index.prefetch if n in want] == want
+    assert len(index.prefetch) >= 500_004 // (64 << 10)
     imagetool("verify", ref, "--against", umoci_image.spec)
     check_against_kernel(ref, umoci_image, tmp_path)
 

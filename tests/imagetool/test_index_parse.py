@@ -14,6 +14,7 @@ from imagetool.format import (
     INDEX_JSON_MEDIA_TYPE,
     INDEX_MEDIA_TYPE,
     MIN_SECTOR_SIZE,
+    Blob,
     FileExtent,
     Index,
     Sector,
@@ -28,7 +29,7 @@ def _index(files: int) -> Index:
     zero = sector_checksum(bytes(size))
     return Index(
         image_size=size, sector_size=size, sectors=(Sector(0, 0, zero),), metadata_sectors=1,
-        blob_digest="sha256:" + "0" * 64, blob_size=0,
+        blobs=(Blob("sha256:" + "0" * 64, 0),), version=1,
         files=tuple(FileExtent(f"/d{i % 100}/f{i}", i * 4096, 10) for i in range(files)),
     )  # fmt: skip
 

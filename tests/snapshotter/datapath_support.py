@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
@@ -16,6 +16,7 @@ import zstandard
 from imagetool.errors import StoreError
 from imagetool.format import (
     BLOB_MEDIA_TYPE,
+    Blob,
     FileExtent,
     Index,
     Sector,
@@ -38,19 +39,23 @@ def entry_path(root: Path, checksum: str) -> Path:
 @dataclass
 class Image:
     index: Index
-    blob: bytes
+    blob: bytes  # the first data blob (a version 1 image's only one)
     data: bytes  # the uncompressed filesystem image
+    blobs: dict[str, bytes] = field(default_factory=dict)  # every data blob by digest
 
     def sector(self, n: int) -> bytes:
         start, size = self.index.sector_span(n)
         return self.data[start : start + size]
 
-    def sectors_in(self, offset: int, length: int) -> list[int]:
-        """Sectors whose stored bytes lie in blob range [offset, offset+length)."""
+    def sectors_in(self, offset: int, length: int, blob: int = 0) -> list[int]:
+        """Sectors whose stored bytes lie in range [offset, offset+length) of blob ``blob``."""
         return [
             n
             for n, s in enumerate(self.index.sectors)
-            if not s.is_zero and offset <= s.offset and s.offset + s.length <= offset + length
+            if not s.is_zero
+            and s.blob == blob
+            and offset <= s.offset
+            and s.offset + s.length <= offset + length
         ]
 
 
@@ -60,29 +65,53 @@ def build_image(
     metadata_sectors: int = 1,
     prefetch: tuple[int, ...] = (),
     files: tuple[FileExtent, ...] = (),
+    blob_starts: tuple[int, ...] = (),
+    raw: frozenset[int] = frozenset(),
 ) -> Image:
-    """A block image whose sectors hold ``contents`` (all but the last exactly one sector)."""
-    sectors, blob = [], bytearray()
+    """A block image whose sectors hold ``contents`` (all but the last exactly one sector).
+
+    Without ``blob_starts`` or ``raw``, a version 1 image (one data blob). Otherwise version
+    2: a new blob begins at each sector number in ``blob_starts`` (the first at 0: metadata,
+    then one "layer" blob each), and the sectors in ``raw`` are stored raw."""
+    version = 2 if blob_starts or raw else 1
+    starts = sorted({0, *blob_starts}) if version == 2 else [0]
+    stored_blobs: list[bytearray] = [bytearray() for _ in starts]
+    sectors = []
     compressor = zstandard.ZstdCompressor(level=3)
-    for data in contents:
+    for n, data in enumerate(contents):
         if not any(data):
             sectors.append(Sector(0, 0, sector_checksum(data)))
             continue
-        stored = compressor.compress(data)
-        sectors.append(Sector(len(blob), len(stored), sector_checksum(data)))
+        number = max(i for i, start in enumerate(starts) if start <= n)
+        blob = stored_blobs[number]
+        stored = data if n in raw else compressor.compress(data)
+        sectors.append(Sector(len(blob), len(stored), sector_checksum(data), number, n in raw))
         blob += stored
     image = b"".join(contents)
+    if version == 1:
+        blobs = (Blob(sha256_digest(bytes(stored_blobs[0])), len(stored_blobs[0])),)
+    else:
+        blobs = tuple(
+            Blob(
+                sha256_digest(bytes(b)),
+                len(b),
+                "metadata" if i == 0 else "layer",
+                "" if i == 0 else sha256_digest(b"source layer %d" % i),
+            )
+            for i, b in enumerate(stored_blobs)
+        )
     index = Index(
         image_size=len(image),
         sector_size=sector_size,
         sectors=tuple(sectors),
         metadata_sectors=metadata_sectors,
-        blob_digest=sha256_digest(bytes(blob)),
-        blob_size=len(blob),
+        blobs=blobs,
         prefetch=prefetch,
         files=files,
+        version=version,
     )
-    return Image(index, bytes(blob), image)
+    by_digest = {b.digest: bytes(data) for b, data in zip(blobs, stored_blobs, strict=True)}
+    return Image(index, bytes(stored_blobs[0]), image, by_digest)
 
 
 def standard_contents(rng: random.Random, count: int = 40) -> list[bytes]:
@@ -112,7 +141,8 @@ FILES = (
 def dir_store(root: Path, image: Image) -> DirStore:
     """A real directory store holding ``image`` as ``test:v1``."""
     store = DirStore(root, "test")
-    store.put_blob(image.index.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+    for digest, blob in image.blobs.items():
+        store.put_blob(digest, blob, BLOB_MEDIA_TYPE)
     store.publish("v1", image.index.to_bytes())
     return store
 
@@ -121,7 +151,8 @@ class FaultyStore(Store):
     """Wraps a real store; records every ranged read and injects failures on demand.
 
     ``mode``: "ok", "down" (raise StoreError) or "hang" (block until ``release()``).
-    ``corrupt``: blob offset -> how many more reads covering it return that byte flipped.
+    ``corrupt``: blob offset (of any blob, or ``(digest, offset)`` of one) -> how many more
+    reads covering it return that byte flipped.
     ``before_read``: called with (offset, length) before each read (after recording it).
     ``stall_after``: the next ``open_range`` body stops after that many bytes, until
     ``release()`` (a read that stalls mid-way); other bodies stream the bytes of
@@ -133,8 +164,9 @@ class FaultyStore(Store):
         self.url = "faulty+" + inner.url
         self.name = inner.name
         self.mode = "ok"
-        self.corrupt: dict[int, int] = {}
+        self.corrupt: dict[int | tuple[str, int], int] = {}
         self.requests: list[tuple[int, int]] = []
+        self.digests: list[str] = []  # the blob of each of ``requests``
         self.before_read: Callable[[int, int], None] | None = None
         self.stall_after: int | None = None
         self._gate = threading.Event()
@@ -152,6 +184,7 @@ class FaultyStore(Store):
     def read_range(self, digest: str, offset: int, length: int) -> bytes:
         with self._lock:
             self.requests.append((offset, length))
+            self.digests.append(digest)
         if self.before_read is not None:
             self.before_read(offset, length)
         if self.mode == "down":
@@ -164,10 +197,11 @@ class FaultyStore(Store):
                 self.hanging -= 1
         data = bytearray(self.inner.read_range(digest, offset, length))
         with self._lock:
-            for at, times in list(self.corrupt.items()):
-                if times > 0 and offset <= at < offset + length:
+            for key, times in list(self.corrupt.items()):
+                blob, at = key if isinstance(key, tuple) else (digest, key)
+                if times > 0 and blob == digest and offset <= at < offset + length:
                     data[at - offset] ^= 0xFF
-                    self.corrupt[at] = times - 1
+                    self.corrupt[key] = times - 1
         return bytes(data)
 
     def open_range(self, digest: str, offset: int, length: int) -> RangeBody:

@@ -121,7 +121,7 @@ def test_prefetcher_stops_on_request(image: Image, store, make_fetcher: MakeFetc
 
 def test_prefetcher_respects_the_bandwidth_cap(image: Image, make_fetcher: MakeFetcher) -> None:
     fetcher = make_fetcher()
-    rate = image.index.blob_size  # the whole blob per second, burst of a tenth of it
+    rate = image.index.blobs[0].size  # the whole blob per second, burst of a tenth of it
     config = PrefetchConfig(mode=PrefetchMode.FULL, bandwidth=rate, burst_bytes=rate // 10)
     t0 = time.monotonic()
     p = Prefetcher.for_mount(fetcher, config).start()
@@ -141,7 +141,7 @@ def test_prefetcher_gives_up_when_the_store_is_down(store, make_fetcher: MakeFet
 
 
 def test_prefetcher_leaves_room_in_a_small_cache(image: Image, store, tmp_path) -> None:
-    small = SectorCache(tmp_path / "small", image.index.blob_size // 2)
+    small = SectorCache(tmp_path / "small", image.index.blobs[0].size // 2)
     with SectorFetcher(store, image.index, small, FAST) as fetcher:
         config = PrefetchConfig(mode=PrefetchMode.FULL, max_cache_fraction=0.5)
         p = Prefetcher.for_mount(fetcher, config).start()

@@ -90,3 +90,54 @@ def test_daemon_paths_given_relative_are_absolute(tmp_path, monkeypatch) -> None
     service = load_config(EXAMPLE, flags).service
     assert service.address == tmp_path / "s.sock" and service.root == tmp_path / "root"
     assert service.image_service_address == tmp_path / "cri.sock"
+
+
+def _hosts_toml(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """(hosts directory, its reg.example/hosts.toml holding ``text``)."""
+    certs = tmp_path / "certs.d"
+    (certs / "reg.example").mkdir(parents=True)
+    hosts = certs / "reg.example" / "hosts.toml"
+    hosts.write_text(text)
+    return certs, hosts
+
+
+def test_registry_hosts_directory(tmp_path: Path) -> None:
+    certs, hosts = _hosts_toml(
+        tmp_path, '[host."http://cache.local:8080"]\n  capabilities = ["pull"]\n'
+    )
+    cfg = load_config(None, {"store.registry_config_path": str(certs)}).mount
+    assert cfg.registry_config_path == certs
+    assert [h.url for h in cfg.store.registry_hosts.hosts_for("reg.example")] == [
+        "http://cache.local:8080/v2", None,
+    ]  # fmt: skip
+    # Handed to a mount server as JSON, parsed: the server does not read the directory.
+    assert MountConfig.from_dict(cfg.to_dict()) == cfg
+    assert load_config(None, {"store.registry_config_path": ""}).mount.store.registry_hosts is None
+    hosts.write_text('[host."http://cache.local:8080"]\n  capabilities = ["pull", "fly"]\n')
+    with pytest.raises(ConfigError, match=f"{hosts}: .*unknown capability 'fly'"):
+        load_config(None, {"store.registry_config_path": str(certs)})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(None, {"store.registry_config_path": str(tmp_path / "typo")})
+    with pytest.raises(ConfigError, match="mirror_timeout"):
+        load_config(None, {"store.mirror_timeout": "0", "store.registry_config_path": ""})
+
+
+def test_daemon_reads_the_hosts_directory_again_and_keeps_a_good_one(tmp_path: Path) -> None:
+    import os
+
+    from snapshotter.containerd.mounter import MountBackend
+
+    certs, hosts = _hosts_toml(tmp_path, '[host."http://one:80"]\n')
+    cfg = load_config(None, {"store.registry_config_path": str(certs)}).mount
+    backend = MountBackend(cfg)
+
+    def mirrors() -> list[str | None]:
+        found = backend.config_for("docker://reg.example/app:v1").store.registry_hosts
+        return [h.url for h in found.hosts_for("reg.example")][:-1]
+
+    assert mirrors() == ["http://one:80/v2"]
+    hosts.write_text('[host."http://two:80"]\n[host."http://three:80"]\n')
+    os.utime(hosts, ns=(1, 1))  # another mtime, whatever the clock's resolution
+    assert mirrors() == ["http://two:80/v2", "http://three:80/v2"]
+    hosts.write_text('[host."http://four:80"]\n  skip_verify = "no"\n')  # malformed
+    assert mirrors() == ["http://two:80/v2", "http://three:80/v2"]  # the previous one kept

@@ -268,7 +268,7 @@ def test_store_serving_corrupt_bytes_is_never_served(config, tmp_path, umoci_sou
     (big,) = [f for f in index.files if f.path == "/data/big.bin"]
     n = index.sectors_for_range(big.offset + 250_000, 1)[0]  # in its random part
     assert n >= index.metadata_sectors and not index.sectors[n].is_zero
-    blob = store / "blobs" / "sha256" / index.blob_digest.removeprefix("sha256:")
+    blob = store / "blobs" / "sha256" / index.blob_of(n).digest.removeprefix("sha256:")
     original = blob.read_bytes()
     at = index.sectors[n].offset + index.sectors[n].length // 2
     corrupted = bytearray(original)

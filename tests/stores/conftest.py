@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from imagetool.format import MIN_SECTOR_SIZE, Index, Sector, sector_checksum, sha256_digest
+from imagetool.format import MIN_SECTOR_SIZE, Blob, Index, Sector, sector_checksum, sha256_digest
 from imagetool.stores import StoreOptions
 from imagetool.stores.base import Store
 
@@ -55,15 +55,15 @@ def make_image(seed: int = 0) -> TinyImage:
         sector_size=sector_size,
         sectors=tuple(sectors),
         metadata_sectors=1,
-        blob_digest=sha256_digest(blob),
-        blob_size=len(blob),
+        blobs=(Blob(sha256_digest(blob), len(blob)),),
         prefetch=(0, 2),
         manifest_digest=sha256_digest(b"source manifest %d" % seed),
         platform="linux/amd64",
         config={"Entrypoint": ["/bin/sh"], "Env": ["PATH=/usr/bin:/bin"], "WorkingDir": "/"},
+        version=1,
     )
     index_bytes = index.to_blob()  # as imagetool convert publishes it
-    return TinyImage(index, index_bytes, sha256_digest(index_bytes), blob, index.blob_digest)
+    return TinyImage(index, index_bytes, sha256_digest(index_bytes), blob, sha256_digest(blob))
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """RangeClient (``imagetool.registry.ranged``): ranged GETs read into the caller's buffers, against
 loopback HTTP servers: redirects and where credentials go, kept connections (and ones the
-server closed while idle), proxies left to httpx, timeouts."""
+server closed while idle), a real forward proxy (tinyproxy) and the proxies left to httpx,
+timeouts."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
+from support import ForwardProxy, require_tool
 
 from imagetool.registry.client import default_ssl_context
 from imagetool.registry.ranged import RangeClient
@@ -132,17 +135,89 @@ def test_connection_closed_while_idle_is_replaced(ranges) -> None:
         assert len(server.seen) == 3
 
 
-def test_proxied_urls_are_left_to_httpx(ranges, monkeypatch: pytest.MonkeyPatch) -> None:
-    server = ranges()
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``proxy_env(HTTP_PROXY=..., NO_PROXY=...)``: exactly those proxy variables."""
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    return lambda **env: [monkeypatch.setenv(k, v) for k, v in env.items()] and None
+
+
+@pytest.fixture
+def forward_proxy(tmp_path: Path) -> Iterator[ForwardProxy]:
+    require_tool("tinyproxy")
+    proxy = ForwardProxy(tmp_path / "proxy", auth=("node", "s3cret"))
+    yield proxy
+    proxy.stop()
+
+
+def test_reads_through_the_environments_proxy(ranges, proxy_env, forward_proxy) -> None:
+    server = ranges()
+    proxy_env(HTTP_PROXY=forward_proxy.url)
+    with _client() as client:
+        for offset in (0, 4096, 700_000):
+            assert _read(client, f"http://{server.host}/blob", offset, 5000) == BLOB[offset:][:5000]
+    # Every read went through tinyproxy (which authenticated us with the URL's user:secret).
+    assert forward_proxy.requests() == [f"GET http://{server.host}/blob HTTP/1.1"] * 3
+    assert len(server.seen) == 3
+
+
+def test_no_proxy_and_the_given_proxy(ranges, proxy_env, forward_proxy) -> None:
+    server = ranges()
+    proxy_env(HTTP_PROXY=forward_proxy.url, NO_PROXY="127.0.0.1")
+    with _client() as client:
+        assert _read(client, f"http://{server.host}/blob", 0, 2) == BLOB[:2]
+    assert forward_proxy.requests() == []
+    # A proxy given to the client (hosts.toml's ``proxy``) overrides NO_PROXY.
+    with RangeClient(
+        ssl_context=default_ssl_context, timeout=5, user_agent="t", proxy=forward_proxy.url
+    ) as client:
+        assert _read(client, f"http://{server.host}/blob", 0, 2) == BLOB[:2]
+    assert len(forward_proxy.requests()) == 1
+
+
+def test_proxy_refusing_our_credentials_is_an_answer(ranges, proxy_env, forward_proxy) -> None:
+    server = ranges()
+    proxy_env(HTTP_PROXY=forward_proxy.url.replace("s3cret", "wrong"))
+    with _client() as client:
+        resp, answer = client.get_range(f"http://{server.host}/blob", 0, 2, {}, "blob")
+    # tinyproxy says 401 where the spec says 407: either way, no read and no bytes.
+    assert resp is None and answer.split(",")[0] in ("HTTP 401", "HTTP 407")
+    assert server.seen == []
+
+
+def test_proxies_it_does_not_speak_are_left_to_httpx(ranges, proxy_env) -> None:
+    server = ranges()
+    proxy_env(HTTP_PROXY="https://127.0.0.1:9")  # TLS to the proxy itself
     with _client() as client:
         assert client.get(f"http://{server.host}/blob", {"Range": "bytes=0-1"}) is None
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-        assert _read(client, f"http://{server.host}/blob", 0, 2) == BLOB[:2]
-    assert len(server.seen) == 1
+    assert server.seen == []
+
+
+def test_connect_timeout_is_shorter_than_the_read_timeout() -> None:
+    # A listener that never accepts, its queue filled: further SYNs go unanswered.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(listener.getsockname())
+        fillers.append(s)
+    try:
+        with RangeClient(
+            ssl_context=default_ssl_context, timeout=30, user_agent="t", connect_timeout=0.3
+        ) as client:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                client.get(f"http://127.0.0.1:{listener.getsockname()[1]}/blob", {})
+            assert time.monotonic() - start < 3
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
 
 
 def test_silent_server_times_out() -> None:

@@ -15,7 +15,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from support import Registry, require_tool
+from support import ForwardProxy, Registry, require_tool
 
 from imagetool.errors import StoreError
 from imagetool.format import BLOB_MEDIA_TYPE
@@ -123,3 +123,33 @@ def test_registry_over_tls(tls_registry, tmp_path: Path, image, monkeypatch) -> 
     with RegistryStore(registry.host, repo, options) as store:
         with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED|certificate verify"):
             store.read_range(image.blob_digest, 0, 64)
+
+
+@pytest.mark.integration
+def test_ranged_reads_through_a_connect_tunnel(tls_registry, tmp_path: Path, image, monkeypatch):
+    """HTTPS_PROXY: the data path's fast client tunnels through a real proxy (CONNECT) and
+    verifies the registry's certificate inside the tunnel."""
+    require_tool("tinyproxy")
+    registry, ca_pem = tls_registry
+    proxy = ForwardProxy(tmp_path / "proxy", auth=("node", "pw"))
+    try:
+        for name in ("HTTP_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_pem))
+        options = StoreOptions(timeout=10, docker_config=tmp_path / "none.json")
+        repo = f"lb/tunnel{uuid.uuid4().hex[:8]}"
+        with RegistryStore(registry.host, repo, options) as store:
+            store.put_blob(image.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        with RegistryStore(registry.host, repo, options) as store:
+            for offset in (0, 100, 7):
+                with store.open_range(image.blob_digest, offset, 500) as body:
+                    assert isinstance(body, DirectBody)
+                    got = bytearray(500)
+                    body.readinto(memoryview(got))
+                assert got == image.blob[offset : offset + 500]
+            # One tunnel, kept for the three reads.
+            assert store.client._ranges.connections_opened == 1
+        assert [r.rsplit(" ", 1)[0] for r in proxy.requests()] == [f"CONNECT {registry.host}"]
+    finally:
+        proxy.stop()

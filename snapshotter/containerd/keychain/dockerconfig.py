@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 SECRET_FILE_NAMES = ("config.json", ".dockerconfigjson")
 
 
+def node_sources(configured: Path | None) -> list[Path]:
+    """The daemon's sources: ``store.docker_config`` if set, then ``$DOCKER_CONFIG``
+    (default ``/root/.docker``)."""
+    sources = [configured] if configured else []
+    sources.append(Path(os.environ.get("DOCKER_CONFIG", "/root/.docker")))
+    return sources
+
+
 def _source_files(sources: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for src in sources:

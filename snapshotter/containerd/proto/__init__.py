@@ -1,6 +1,7 @@
-"""containerd's snapshots API, the CRI image messages the keychain reads, and the parts of
-containerd's images, content and leases APIs that ``snapshotter pull`` calls: the ``.proto``
-files and their generated stubs.
+"""containerd's snapshots API, the CRI image messages the keychain reads, the parts of
+containerd's images, content and leases APIs that ``snapshotter pull`` calls, and its version
+and introspection services that ``snapshotter check`` asks: the ``.proto`` files and their
+generated stubs.
 
 ``load()`` returns the generated modules; when they are missing or older than the ``.proto``
 files (a fresh checkout that skipped ``python -m snapshotter.containerd.proto.build``) it generates
@@ -33,13 +34,17 @@ def load_cri() -> ModuleType:
     return importlib.import_module("snapshotter.containerd.proto.cri_pb2")
 
 
-def load_client() -> SimpleNamespace:
-    """The stubs a client of containerd needs (``snapshotter pull``): ``images``,
-    ``content``, ``leases`` and ``snapshots`` (each the ``_pb2`` module, its gRPC module as
-    ``<name>_grpc``) and ``descriptor``."""
+CLIENT_SERVICES = ("images", "content", "leases", "snapshots")
+
+
+def load_client(services: tuple[str, ...] = CLIENT_SERVICES) -> SimpleNamespace:
+    """The stubs a client of containerd needs: for each of ``services`` (default: what
+    ``snapshotter pull`` calls; ``snapshotter check`` asks for ``version``, ``introspection``
+    and ``snapshots``) the ``_pb2`` module, its gRPC module as ``<name>_grpc``; and
+    ``descriptor``."""
     load()
     modules = {}
-    for name in ("images", "content", "leases", "snapshots"):
+    for name in services:
         modules[name] = importlib.import_module(f"snapshotter.containerd.proto.{name}_pb2")
         modules[f"{name}_grpc"] = importlib.import_module(
             f"snapshotter.containerd.proto.{name}_pb2_grpc"

@@ -28,6 +28,8 @@ PROTOS = (
     "images.proto",
     "content.proto",
     "leases.proto",
+    "version.proto",
+    "introspection.proto",
 )
 
 
