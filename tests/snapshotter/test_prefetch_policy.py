@@ -17,6 +17,7 @@ from snapshotter.datapath.prefetch import (
     Prefetcher,
     PrefetchMode,
     TokenBucket,
+    Window,
     plan,
 )
 
@@ -54,6 +55,68 @@ def test_token_bucket_allows_a_burst_then_paces() -> None:
     now[0] += 10  # idle: refills only up to the burst
     assert bucket.take(500) == 0
     assert bucket.take(1) > 0
+
+
+class Link:
+    """A fake link for ``Window``: a batch of ``BATCH`` bytes completes every
+    ``BATCH / rate(size)`` seconds of the fake clock."""
+
+    BATCH = 1_000_000
+
+    def __init__(self, rate: Callable[[int], float]) -> None:
+        self.now = 0.0
+        self.rate = rate
+        self.window = Window(2, 6, clock=lambda: self.now)
+
+    def run(self, seconds: float) -> list[int]:
+        """The window's size after each completion for ``seconds`` of fake time."""
+        sizes = []
+        end = self.now + seconds
+        while self.now < end:
+            self.now += self.BATCH / self.rate(self.window.size)
+            self.window.completed(self.BATCH)
+            sizes.append(self.window.size)
+        return sizes
+
+
+def test_the_window_grows_while_more_in_flight_delivers_more() -> None:
+    # A long fat link: each batch more in flight adds 20 MB/s, up to the window's cap.
+    link = Link(lambda size: 20e6 * size)
+    sizes = link.run(10)
+    assert sizes[0] == 2 and max(sizes) == 6  # from low to high, never beyond
+    assert sizes == sorted(sizes)  # it only grew
+    assert sizes[-1] == 6
+
+
+def test_the_window_steps_back_when_more_in_flight_does_not_pay() -> None:
+    # The link is full at 3 batches: a fourth buys nothing; the window settles at 3 and
+    # probes 4 again now and then (links change), never going above 4 or below 3 once there.
+    link = Link(lambda size: 20e6 * min(size, 3))
+    link.run(2)
+    later = link.run(20)
+    assert set(later) <= {3, 4}
+    assert later.count(3) > 3 * later.count(4)  # mostly at the size that pays
+    assert 4 in later  # probed again
+
+
+def test_the_window_follows_a_link_that_gets_faster() -> None:
+    rate = {"cap": 2}
+    link = Link(lambda size: 20e6 * min(size, rate["cap"]))
+    assert set(link.run(10)) <= {2, 3}
+    rate["cap"] = 6  # e.g. another mount's transfer ended
+    assert link.run(20)[-1] >= 5
+
+
+def test_the_window_stays_within_its_bounds() -> None:
+    w = Window(0, 0, clock=lambda: 0.0)
+    assert (w.low, w.high, w.size) == (1, 1, 1)  # at least one batch in flight
+    now = [0.0]
+    w = Window(3, 2, clock=lambda: now[0])
+    assert w.size == 3 and w.high == 3  # a cap below the floor is raised to it
+    for _ in range(50):
+        now[0] += 1
+        w.completed(1)
+    assert w.size == 3
 
 
 def test_prefetcher_warms_the_cache(

@@ -15,6 +15,7 @@ from imagetool.format import Index, blob_range
 from imagetool.stores.dir import DirStore
 from snapshotter.cache.sectors import SectorCache
 from snapshotter.config import FetchConfig
+from snapshotter.datapath import fetcher as fetcher_mod
 from snapshotter.datapath.fetcher import Priority, SectorFetcher
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
 
@@ -334,6 +335,30 @@ def test_on_demand_goes_before_prefetch(image: Image, store, make_fetcher: MakeF
         t.join(10)
     offsets = [offset for offset, _ in store.requests]
     assert offsets[1:] == [image.index.sectors[30].offset, image.index.sectors[9].offset]
+
+
+def test_a_prefetch_that_waited_long_enough_goes_before_new_demand(
+    image: Image, store, make_fetcher: MakeFetcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Demand first, but not for ever: a reader that never stops would starve the profile.
+    monkeypatch.setattr(fetcher_mod, "PREFETCH_MAX_WAIT", 0.3)
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel=1, max_parallel_prefetch=1))
+    store.hang()
+    blocker = threading.Thread(target=lambda: fetcher.get([1]))
+    blocker.start()
+    wait_until(lambda: store.hanging == 1)
+    batch = fetcher.prefetch([9], time.monotonic() + 10)
+    assert batch.sectors == [9]
+    time.sleep(0.4)  # it has waited its time behind the busy worker
+    demand = threading.Thread(target=lambda: fetcher.get([30]))
+    demand.start()
+    wait_until(lambda: fetcher.metrics.queued.value == 2)
+    store.release()
+    assert batch.wait(10) and batch.error is None
+    for t in (blocker, demand):
+        t.join(10)
+    offsets = [offset for offset, _ in store.requests]
+    assert offsets[1:] == [image.index.sectors[9].offset, image.index.sectors[30].offset]
 
 
 def test_on_demand_reader_promotes_a_queued_prefetch(
