@@ -6,7 +6,7 @@ compares, per network preset, from an empty cache every time (``drop_caches`` be
     full-pull     containerd 1.6, default overlayfs snapshotter: the image pulled (fetch +
                   unpack of every layer) then run
     lazy          lazyblock, cold (empty node cache), image laid out without a profile,
-                  no prefetch
+                  the snapshotter's default settings
     lazy-profile  lazyblock, cold, image re-laid with ``imagetool convert --profile`` (the
                   profile recorded by ``snapshotter profile`` during a lazy run), prefetch on
     lazy-warm     lazyblock with the node's sector cache warm (page cache still dropped)
@@ -49,6 +49,7 @@ profile), so that a timed run under the benchmark lock only measures.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
 import http.client
@@ -62,6 +63,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -376,20 +378,42 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
         runs = pr.get("runs", results["runs"])
         if pr.get("rounds", runs) < runs:
             lines += [f"**Partial: {pr['rounds']} of {runs} rounds so far.**", ""]
+        floor = pr.get("floor")
         lines += [
-            "| scenario | time to ready (median) | min | max | from registry | read by workload |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| scenario | time to ready (median) | min | max | from registry | read by workload "
+            "| ÷ floor | stalled: late / missing |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for scen, s in pr["scenarios"].items():
             if s.get("status") != "ok":
-                lines.append(f"| {scen} | not run: {s.get('reason', '')} | | | | |")
+                lines.append(f"| {scen} | not run: {s.get('reason', '')} | | | | | | |")
                 continue
             t = s["time_to_ready_s"]
+            ratio = f"{t['median'] / floor['seconds']:.2f}" if floor else "-"
+            stall = stall_seconds(s)
+            stalled = f"{stall[0]:.2f} / {stall[1]:.2f} s" if stall else "-"
             lines.append(
                 f"| {scen} | {t['median']:.2f} s | {t['min']:.2f} s | {t['max']:.2f} s "
-                f"| {_mb(s['registry_bytes'])} | {_mb(s['workload_read_bytes'])} |"
+                f"| {_mb(s['registry_bytes'])} | {_mb(s['workload_read_bytes'])} "
+                f"| {ratio} | {stalled} |"
             )
         lines.append("")
+        if floor:
+            rate = floor["rate_bytes_per_s"]
+            lines += [
+                f"Floor {floor['seconds']:.2f} s = max(local {floor['local_s']:.2f} s, "
+                f"{_mb(floor['fetched_bytes'])} ÷ {rate * 8 / 1e6:,.0f} Mbit/s = "
+                f"{floor['transfer_s']:.2f} s) + {FLOOR_SLACK_S:g} s; the link rate is the "
+                f"store's, measured in this run ({pr['store_rate']['connections']} connections, "
+                f"{_mb(pr['store_rate']['bytes'])} of ranged reads).",
+                "",
+            ]
+        if pr.get("floor_targets"):
+            lines += ["| against the floor | met | measured |", "|---|---|---|"]
+            for t in pr["floor_targets"]:
+                met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+                lines.append(f"| {t['target']} | {met} | {t['measured']} |")
+            lines.append("")
         if pr.get("targets"):
             lines.append("| target | met | measured |")
             lines.append("|---|---|---|")
@@ -856,7 +880,7 @@ class Bench:
             if not self.ctrd.has_image(self.ref):
                 self.ctrd.pull(self.ref, self.cfg.run_timeout)
         else:
-            self._lazy_setup(prefetch=scenario != "lazy", keep_cache=scenario == "lazy-warm")
+            self._lazy_setup(prefetch=True, keep_cache=scenario == "lazy-warm")
         self.remote.check()
         if self.cfg.drop_caches:
             drop_caches()
@@ -872,7 +896,7 @@ class Bench:
             ready = self._run_image(self.ctrd, self.ref)
         else:
             tag = self.img.tag if scenario == "lazy" else f"{self.img.tag}-profile"
-            ready, phases, extra = self._lazy_timed(tag, prefetch=scenario != "lazy", t0=t0)
+            ready, phases, extra = self._lazy_timed(tag, prefetch=True, t0=t0)
         fields = ready.fields
         seconds = ready.at - t0
         phases.update({f"{k}_s": at - t0 for k, at in ready.marks.items()})
@@ -961,6 +985,10 @@ class Bench:
         self.remote.shape(preset)
         head: dict[str, Any] = {"preset": asdict(preset),
                                 "measured_rtt_ms": measure_rtt(self.remote)}  # fmt: skip
+        if self.lazy is not None:
+            head["store_rate"] = measure_store_rate(
+                self.registry, self.lazy.repository, f"{self.img.tag}-profile"
+            )
         not_run: dict[str, Any] = {}
         active = []
         for scen in self.cfg.scenarios:
@@ -1012,9 +1040,12 @@ class Bench:
             else:
                 scenarios[scen] = {"status": "not-run", "reason": "no run finished"}
         scenarios = {s: scenarios[s] for s in self.cfg.scenarios}  # in the order asked
+        floor = physical_floor(scenarios, head.get("store_rate"))
         return {
             **head,
             "scenarios": scenarios,
+            "floor": floor,
+            "floor_targets": floor_targets(scenarios, floor),
             "targets": evaluate_targets(scenarios) if head["preset"]["name"] == TARGET_PRESET
             else [],
             "notes": explain(scenarios, self.cfg.via, head["preset"].get("rate_mbit")),
@@ -1045,6 +1076,9 @@ def _snapshotter_stats(stats: dict[str, Any]) -> dict[str, Any]:
         "touched_sectors": reads.get("touched_sectors", 0),
         "image_sectors": stats.get("image", {}).get("sectors"),
         "prefetch": stats.get("prefetch"),
+        # seconds readers waited on the network: for sectors in flight, for ones not asked for
+        "stall_late_s": fetch.get("stall_late_seconds"),
+        "stall_missing_s": fetch.get("stall_missing_seconds"),
     }
 
 
@@ -1201,6 +1235,124 @@ def paired_by_round(
         round(op(x["seconds"], y["seconds"]), 3)
         for x, y in zip(sa["runs"], sb["runs"], strict=True)
     ]
+
+
+FLOOR_SLACK_S = 1.0  # the floor's allowance for what no start avoids (container, runc)
+FLOOR_TARGETS = {"lazy-profile": 1.15, "lazy": 1.5}  # time to ready at most this x the floor
+
+
+def measure_store_rate(
+    registry: str, repo: str, tag: str, connections: int = 4, limit: int = 256 << 20
+) -> dict[str, Any] | None:
+    """The store's raw ranged-read rate, as a plain client gets it: ``connections`` threads
+    reading 8 MiB ranges of the image's data blobs (up to ``limit`` bytes) over keep-alive
+    connections, bytes discarded. The link rate of the physical floor; None if the image's
+    manifest cannot be read."""
+    host, port = registry.rsplit(":", 1)
+    req = urllib.request.Request(f"http://{registry}/v2/{repo}/manifests/{tag}")
+    req.add_header("Accept", "application/vnd.oci.image.manifest.v1+json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            manifest = json.load(resp)
+    except (OSError, ValueError) as e:
+        log.warning("store rate not measured: %s", e)
+        return None
+    layers = manifest.get("layers", [])
+    data = [d for d in layers if d.get("annotations", {}).get("dev.lazyblock.role") == "blob"]
+    step = 8 << 20
+    ranges = [
+        (d["digest"], off, min(step, d["size"] - off))
+        for d in data or layers
+        for off in range(0, d["size"], step)
+    ]
+    todo, total = [], 0
+    for r in ranges:
+        if total >= limit:
+            break
+        todo.append(r)
+        total += r[2]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        buf = bytearray(1 << 20)
+        try:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    digest, off, n = todo.pop(0)
+                conn.request("GET", f"/v2/{repo}/blobs/{digest}",
+                             headers={"Range": f"bytes={off}-{off + n - 1}"})  # fmt: skip
+                resp = conn.getresponse()
+                if resp.status not in (200, 206):
+                    raise BenchError(f"store rate: HTTP {resp.status} for {digest}")
+                while resp.readinto(buf):
+                    pass
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(connections) as pool:
+        for f in [pool.submit(worker) for _ in range(connections)]:
+            f.result()
+    seconds = time.perf_counter() - t0
+    return {"bytes": total, "seconds": round(seconds, 3), "connections": connections,
+            "bytes_per_s": round(total / seconds)}  # fmt: skip
+
+
+def physical_floor(
+    scenarios: dict[str, Any], store_rate: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """``max(local run, bytes fetched / link rate) + 1 s``: no lazy start can be ready before
+    the workload has run from local disk, nor before the bytes it needs have crossed the
+    link. Bytes fetched: the profiled start's (the bytes the workload needs, in the order it
+    needs them), else the plain lazy start's; the link rate: the store's, measured in the
+    same run (``measure_store_rate``)."""
+    local = scenarios.get("local", {})
+    fetched = next(
+        (scenarios[s]["registry_bytes"] for s in ("lazy-profile", "lazy")
+         if scenarios.get(s, {}).get("status") == "ok"),
+        None,
+    )  # fmt: skip
+    if local.get("status") != "ok" or not fetched or not store_rate:
+        return None
+    local_s = local["time_to_ready_s"]["median"]
+    transfer_s = fetched / store_rate["bytes_per_s"]
+    return {
+        "seconds": round(max(local_s, transfer_s) + FLOOR_SLACK_S, 3),
+        "local_s": local_s,
+        "transfer_s": round(transfer_s, 3),
+        "fetched_bytes": fetched,
+        "rate_bytes_per_s": store_rate["bytes_per_s"],
+    }
+
+
+def floor_targets(scenarios: dict[str, Any], floor: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each lazy scenario's median time to ready against the floor (``FLOOR_TARGETS``)."""
+    out = []
+    for scen, most in FLOOR_TARGETS.items():
+        s = scenarios.get(scen, {})
+        target = f"{scen} <= {most:g} x floor"
+        if s.get("status") != "ok" or floor is None:
+            out.append({"target": target, "met": None, "measured": "not evaluated"})
+            continue
+        ratio = s["time_to_ready_s"]["median"] / floor["seconds"]
+        out.append({"target": target, "met": ratio <= most, "ratio": round(ratio, 3),
+                    "measured": f"{s['time_to_ready_s']['median']:.2f} s / "
+                                f"{floor['seconds']:.2f} s = {ratio:.2f}"})  # fmt: skip
+    return out
+
+
+def stall_seconds(s: dict[str, Any]) -> tuple[float, float] | None:
+    """Median seconds a scenario's readers waited on the network: (late, missing)."""
+    late = [r["snapshotter"]["stall_late_s"] for r in s.get("runs", [])
+            if r.get("snapshotter", {}).get("stall_late_s") is not None]  # fmt: skip
+    missing = [r["snapshotter"]["stall_missing_s"] for r in s.get("runs", [])
+               if r.get("snapshotter", {}).get("stall_missing_s") is not None]  # fmt: skip
+    if not late or not missing:
+        return None
+    return statistics.median(late), statistics.median(missing)
 
 
 def registry_digest(registry: str, repo: str, tag: str) -> str | None:

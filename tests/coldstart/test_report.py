@@ -85,10 +85,47 @@ def _results() -> dict:
 def test_markdown_table():
     md = run.markdown_table(_results())
     assert "### 1g-1ms: 1000 Mbit/s, 1 ms RTT (measured TCP connect 1.40 ms)" in md
-    assert "| full-pull | 5.00 s | 5.00 s | 5.00 s | 9.0 MB | 0.0 MB |" in md
+    assert "| full-pull | 5.00 s | 5.00 s | 5.00 s | 9.0 MB | 0.0 MB | - | - |" in md
     assert "| lazy | not run: no snapshotter |" in md
     assert "| x | **no** | because |" in md
     assert "- a note" in md
+
+
+def test_floor_is_the_larger_of_the_local_run_and_the_transfer_plus_one_second():
+    scen = {
+        "local": _scen(3.0, 0, 100),
+        "lazy": _scen(9.0, 500_000_000),
+        "lazy-profile": _scen(5.0, 400_000_000),
+    }
+    rate = {"bytes_per_s": 100_000_000, "bytes": 1, "seconds": 1, "connections": 4}
+    floor = run.physical_floor(scen, rate)  # 400 MB at 100 MB/s: 4 s, more than local
+    assert floor["seconds"] == 5.0 and floor["transfer_s"] == 4.0
+    assert floor["fetched_bytes"] == 400_000_000  # the profiled start's bytes, not lazy's
+    t = run.floor_targets(scen, floor)
+    assert [(x["target"], x["met"], x["ratio"]) for x in t] == [
+        ("lazy-profile <= 1.15 x floor", True, 1.0),
+        ("lazy <= 1.5 x floor", False, 1.8),
+    ]
+    slow = {**rate, "bytes_per_s": 1_000_000_000}  # a fast link: the local run decides
+    assert run.physical_floor(scen, slow)["seconds"] == 4.0
+    assert run.physical_floor(scen, None) is None
+    assert [x["met"] for x in run.floor_targets(scen, None)] == [None, None]
+
+
+def test_the_table_shows_the_floor_and_the_stalls():
+    res = _results()
+    pr = res["presets"]["1g-1ms"]
+    lazy = _scen(4.0, 100_000_000)
+    lazy["runs"][0]["snapshotter"] = {"stall_late_s": 0.5, "stall_missing_s": 1.25}
+    pr["scenarios"]["lazy"] = lazy
+    pr["store_rate"] = {"bytes_per_s": 50_000_000, "bytes": 256 << 20, "seconds": 5.4,
+                        "connections": 4}  # fmt: skip
+    pr["floor"] = run.physical_floor(pr["scenarios"], pr["store_rate"])
+    pr["floor_targets"] = run.floor_targets(pr["scenarios"], pr["floor"])
+    md = run.markdown_table(res)
+    assert "| lazy | 4.00 s | 4.00 s | 4.00 s | 100.0 MB | - | 1.33 | 0.50 / 1.25 s |" in md
+    assert "Floor 3.00 s = max(local 1.00 s, 100.0 MB ÷ 400 Mbit/s = 2.00 s) + 1 s" in md
+    assert "| lazy <= 1.5 x floor | yes | 4.00 s / 3.00 s = 1.33 |" in md
 
 
 def test_write_results(tmp_path):
