@@ -9,7 +9,8 @@ Every key is documented in ``deploy/config.toml.example``.
     [cache]     dir, size                                   -> MountConfig.cache_*
     [state]     dir                                         -> MountConfig.state_dir
     [mount]     backing, timeout, memory_sectors, read_timeout
-    [prefetch]  enabled, background_fetch, bandwidth, batch_sectors, max_cache_fraction
+    [prefetch]  enabled, background_fetch, bandwidth, batch_sectors, max_cache_fraction,
+                stream_fraction
     [fetch]     max_parallel, max_parallel_prefetch, request_timeout, retries, backoff_base,
                 backoff_max, deadline, max_request_bytes, max_stuck_requests,
                 timeout_memory
@@ -138,6 +139,7 @@ class PrefetchMode(enum.Enum):
     NONE = "none"  # nothing in the background
     PROFILE = "profile"  # the index's prefetch list, then metadata
     FULL = "full"  # ... then the whole image
+    AUTO = "auto"  # PROFILE, then the whole image once the start has fetched a share of it
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,13 @@ class PrefetchConfig:
     """Stop after fetching this fraction of the cache's capacity (decoded bytes, as the
     cache holds them)."""
 
+    stream_fraction: float = 0.25
+    """``AUTO``: stream the whole image once the mount has fetched this fraction of its
+    stored bytes (for any reader); see ``snapshotter.datapath.prefetch``."""
+
+    stream_watch: float = 600.0
+    """``AUTO``: seconds after the mount during which that share is watched for."""
+
     def __post_init__(self) -> None:
         if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
             raise ValueError("batch_sectors, max_failures and batch_timeout must be positive")
@@ -180,6 +189,8 @@ class PrefetchConfig:
             raise ValueError("bandwidth must be positive (or None for no cap)")
         if self.burst_bytes < 0 or not 0 < self.max_cache_fraction <= 1:
             raise ValueError("burst_bytes must be >= 0 and max_cache_fraction in (0, 1]")
+        if not 0 < self.stream_fraction <= 1 or self.stream_watch < 0:
+            raise ValueError("stream_fraction must be in (0, 1] and stream_watch >= 0")
 
 
 @dataclass(frozen=True)
@@ -197,8 +208,11 @@ class MountConfig:
     """Where mount records, control sockets, FUSE directories and server logs live."""
     prefetch: bool = True
     """Warm the cache with the image's profile (its ``prefetch`` list) after mounting."""
-    background_fetch: bool = False
-    """Then fetch the rest of the image too (bandwidth-capped by ``prefetch_bandwidth``)."""
+    background_fetch: bool | None = None
+    """Then fetch the rest of the image too (bandwidth-capped by ``prefetch_bandwidth``):
+    True always, False never, None (``auto``) once the start has fetched
+    ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
+    prefetch_stream_fraction: float = 0.25
     prefetch_bandwidth: int | None = None
     """Bytes per second the prefetcher may pull; None for no cap."""
     prefetch_batch_sectors: int = 4
@@ -241,6 +255,8 @@ class MountConfig:
     def prefetch_mode(self) -> PrefetchMode:
         if not self.prefetch:
             return PrefetchMode.NONE
+        if self.background_fetch is None:
+            return PrefetchMode.AUTO
         return PrefetchMode.FULL if self.background_fetch else PrefetchMode.PROFILE
 
     def prefetch_config(self) -> PrefetchConfig:
@@ -249,6 +265,7 @@ class MountConfig:
             bandwidth=self.prefetch_bandwidth,
             batch_sectors=self.prefetch_batch_sectors,
             max_cache_fraction=self.prefetch_max_cache_fraction,
+            stream_fraction=self.prefetch_stream_fraction,
         )
 
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
@@ -379,6 +396,13 @@ def _bool(v: object) -> bool:
     raise ConfigError(f"not a boolean: {v!r}")
 
 
+def _auto_bool(v: object) -> bool | None:
+    """A boolean, or None for ``auto``."""
+    if str(v).strip().lower() == "auto":
+        return None
+    return _bool(v)
+
+
 def _float(v: object) -> float:
     try:
         return float(v)  # type: ignore[arg-type]
@@ -434,7 +458,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "mount.readahead": (parse_size, "m.readahead_bytes"),
     "mount.kernel_read_ahead_kb": (_int, "m.kernel_read_ahead_kb"),
     "prefetch.enabled": (_bool, "m.prefetch"),
-    "prefetch.background_fetch": (_bool, "m.background_fetch"),
+    "prefetch.background_fetch": (_auto_bool, "m.background_fetch"),
+    "prefetch.stream_fraction": (_float, "m.prefetch_stream_fraction"),
     "prefetch.bandwidth": (_opt_size, "m.prefetch_bandwidth"),
     "prefetch.batch_sectors": (_int, "m.prefetch_batch_sectors"),
     "prefetch.max_cache_fraction": (_float, "m.prefetch_max_cache_fraction"),

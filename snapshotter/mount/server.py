@@ -357,6 +357,7 @@ class MountServer:
                 "fetched": pf.fetched if pf else 0,
                 "running": bool(pf and pf.running),
                 "window": pf.window.size if pf and pf.window else 0,
+                "streaming": bool(pf and pf.streaming),
             },
             "cache": {
                 "dir": str(self.config.cache_dir),

@@ -36,7 +36,8 @@ def test_corrupt_mirror_is_refused_and_skipped(
     repo = f"lb/fm{uuid.uuid4().hex[:8]}"
     plain = StoreOptions(plain_http=True, docker_config=tmp_path / "none.json")
     with RegistryStore(registry.host, repo, plain) as store:
-        store.put_blob(image.index.blob_digest, image.blob, BLOB_MEDIA_TYPE)
+        for digest, blob in image.blobs.items():
+            store.put_blob(digest, blob, BLOB_MEDIA_TYPE)
     (tmp_path / "certs.d" / registry.host).mkdir(parents=True)
     (tmp_path / "certs.d" / registry.host / "hosts.toml").write_text(
         f'server = "http://{registry.host}"\n[host."http://{mirror.host}"]\n'

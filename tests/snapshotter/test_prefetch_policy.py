@@ -136,6 +136,37 @@ def test_prefetcher_warms_the_cache(
     assert again.wait(10) and again.fetched == 0
 
 
+def test_auto_streams_the_image_once_the_start_has_fetched_its_share(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    total = sum(s.length for s in image.index.sectors)
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=0.25, stream_watch=30)
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    wait_until(lambda: fetcher.missing(plan(image.index, PrefetchMode.PROFILE)) == [])
+    assert p.running and not p.streaming  # the profile's sectors alone are not a quarter
+    for n in stored(image):  # a reader reads on until a quarter of the bytes came
+        if fetcher.metrics.bytes_fetched.value >= total / 4:
+            break
+        fetcher.get([n])
+    assert p.wait(10) and p.streaming
+    assert fetcher.missing(range(image.index.sector_count)) == []
+
+
+def test_auto_fetches_only_what_is_read_when_a_start_reads_little(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=0.9, stream_watch=0.5)
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    fetcher.get([30])
+    assert p.wait(10) and not p.streaming  # it watched for its time, then ended
+    profile = set(plan(image.index, PrefetchMode.PROFILE))
+    cached = set(stored(image)) - set(fetcher.missing(stored(image)))
+    assert cached <= profile | {30, 11, 12, 3}  # 11, 12 repeat 3
+    assert len(cached) < len(stored(image)) // 2
+
+
 def test_prefetcher_follows_the_plan_order(image: Image, store, make_fetcher: MakeFetcher) -> None:
     # One batch at a time: exactly the plan's order.
     fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel_prefetch=1))

@@ -25,6 +25,14 @@ def test_file_then_overrides(tmp_path: Path) -> None:
     assert m.fetch.retries == 5 and m.fetch.deadline == 7.5 and m.store.plain_http
     assert cfg.metrics_listen == ":9000"
     assert load_config(path, {"prefetch.enabled": "false"}).mount.prefetch_mode is PrefetchMode.NONE
+    assert load_config(None).mount.prefetch_mode is PrefetchMode.AUTO  # the default
+    for value, mode in (("auto", PrefetchMode.AUTO), ("false", PrefetchMode.PROFILE)):
+        m = load_config(path, {"prefetch.background_fetch": value}).mount
+        assert m.prefetch_mode is mode
+    m = load_config(None, {"prefetch.stream_fraction": "0.5"}).mount
+    assert m.prefetch_config().stream_fraction == 0.5
+    with pytest.raises(ConfigError, match="stream_fraction"):
+        load_config(None, {"prefetch.stream_fraction": "2"})
 
 
 def test_errors_name_the_key(tmp_path: Path) -> None:
