@@ -372,8 +372,9 @@ class SnapshotterDaemon:
     """``snapshotter serve``: containerd's proxy snapshotter, with its own root, sector cache
     and mount state under ``dir``."""
 
-    def __init__(self, dir: Path, registry: str) -> None:
+    def __init__(self, dir: Path, registry: str, settings: tuple[str, ...] = ()) -> None:
         self.dir = dir
+        self.settings = settings  # KEY=VALUE, passed as --set (the user's configuration)
         self.root = dir / "data"
         self.cache = dir / "cache"
         self.state = dir / "state"
@@ -396,7 +397,8 @@ class SnapshotterDaemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "snapshotter.cli", "serve", "--config", str(self.config),
              "--address", str(self.address), "--root", str(self.root),
-             "--insecure-registry", self.registry],
+             "--insecure-registry", self.registry,
+             *(a for kv in self.settings for a in ("--set", kv))],
             stdout=logf, stderr=logf, start_new_session=True, cwd=REPO, env=repo_env(),
         )  # fmt: skip
         logf.close()
@@ -453,8 +455,8 @@ class LazyNode:
     """A Kubernetes-style node for the lazy scenarios: ``SnapshotterDaemon`` + a containerd
     whose CRI plugin unpacks with it."""
 
-    def __init__(self, dir: Path, registry: str) -> None:
-        self.daemon = SnapshotterDaemon(dir / "lazyblock", registry)
+    def __init__(self, dir: Path, registry: str, settings: tuple[str, ...] = ()) -> None:
+        self.daemon = SnapshotterDaemon(dir / "lazyblock", registry, settings)
         self.ctrd = Containerd(dir / "containerd", registry, cri_snapshotter=PROXY_NAME,
                                proxy=self.daemon.address)  # fmt: skip
 

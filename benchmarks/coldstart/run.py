@@ -117,6 +117,7 @@ class BenchConfig:
     # keep what out/latest.json holds for other images and presets (see merge_earlier)
     keep_earlier: bool = True
     prepare_only: bool = False  # build, push, convert, record the profile; measure nothing
+    settings: tuple[str, ...] = ()  # the daemon's --set KEY=VALUE (--via cri)
     format_version: str = "2"  # the block format the lazy scenarios' images are converted to
 
 
@@ -285,7 +286,8 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f} MB"
 
 
-ENTRY_KEYS = ("generated", "image", "runs", "via", "block_format", "caches_dropped", "presets")
+ENTRY_KEYS = ("generated", "image", "runs", "via", "block_format", "settings", "caches_dropped",
+              "presets")  # fmt: skip
 
 
 def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -297,7 +299,7 @@ def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # how a preset's results came about
-RUN_KEYS = ("generated", "runs", "via", "block_format", "caches_dropped")
+RUN_KEYS = ("generated", "runs", "via", "block_format", "settings", "caches_dropped")
 
 
 def merge_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
@@ -339,6 +341,8 @@ def _run_text(entry: dict[str, Any]) -> str:
         parts.append(f"{entry['runs']} runs per scenario")
     if entry.get("via"):
         parts.append(f"`--via {entry['via']}`")
+    if entry.get("settings"):
+        parts.append("daemon settings " + ", ".join(f"`{kv}`" for kv in entry["settings"]))
     if entry.get("caches_dropped") is False:
         parts.append("page cache NOT dropped")
     return ", ".join(parts)
@@ -360,7 +364,12 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
             if results.get("caches_dropped", True)
             else "page cache NOT dropped (smoke test)."
         )
-        + (f" Node path: `--via {results['via']}`." if results.get("via") else ""),
+        + (f" Node path: `--via {results['via']}`." if results.get("via") else "")
+        + (
+            " Daemon settings: " + ", ".join(f"`{kv}`" for kv in results["settings"]) + "."
+            if results.get("settings")
+            else ""
+        ),
         "",
     ]
     for name, pr in results["presets"].items():
@@ -815,7 +824,7 @@ class Bench:
             return
         self.lazy = Lazyblock(self.cfg.work, self.registry, self.cfg.format_version)
         if self.cfg.via == "cri":
-            self.node = LazyNode(self.cfg.work / "node", self.registry)
+            self.node = LazyNode(self.cfg.work / "node", self.registry, self.cfg.settings)
         try:
             self._prepare_lazy()
         except (BenchError, subprocess.TimeoutExpired) as e:
@@ -1419,6 +1428,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "runs": cfg.runs,
         "via": cfg.via,
         "block_format": cfg.format_version,
+        "settings": list(cfg.settings),
         "caches_dropped": cfg.drop_caches,
         "presets": {},
     }
@@ -1496,6 +1506,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--format-version", choices=("1", "2"), default="2",
                         help="block format of the lazy scenarios' images (default 2)")  # fmt: skip
+    parser.add_argument("--set", action="append", dest="settings", default=[],
+                        metavar="KEY=VALUE",
+                        help="a setting of the lazyblock daemon (--via cri), as its --set; "
+                        "recorded with the results")  # fmt: skip
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--out", type=Path,
                         help="results folder (default: results/; work/smoke-results/ with "
@@ -1542,6 +1556,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_earlier=not args.fresh,
         prepare_only=args.prepare_only,
         format_version=args.format_version,
+        settings=tuple(args.settings),
         work=args.work.resolve(),
         out=args.out.resolve(),
     )
