@@ -310,27 +310,10 @@ class SectorFetcher:
         """Start fetching those of ``numbers`` that are neither cached nor in flight, without
         waiting; for cached ones, have the kernel start reading them from disk. Returns how
         many sectors it queued."""
-        if deadline is None:
-            deadline = time.monotonic() + self.config.deadline
-        sectors = self.index.sectors
-        new: dict[str, int] = {}
-        cached: list[str] = []
-        with self._work:
-            if self._closed.is_set():
-                return 0
-            for n in numbers:
-                checksum = sectors[n].checksum
-                if sectors[n].is_zero or checksum in self._inflight or checksum in new:
-                    continue
-                if checksum in self.cache:
-                    cached.append(checksum)
-                    continue
-                new[checksum] = n
-            for run in self._plan(sorted(new.values())):
-                job = _Job(run, Priority.READAHEAD, deadline)
-                for n in run:
-                    self._inflight[sectors[n].checksum] = _Flight(job)
-                self._push(job)
+        try:
+            new, _, cached = self._enqueue(numbers, Priority.READAHEAD, deadline)
+        except ClosedError:
+            return 0
         if cached:
             with self._lock:
                 self._warming.extend(c for c in cached if c not in self._warming)
@@ -345,32 +328,40 @@ class SectorFetcher:
         """Queue fetches, at prefetch priority, of those of ``numbers`` that are neither
         cached nor in flight, without waiting for them; returns them as a batch to wait on
         (empty if there was nothing to fetch). Raises ``ClosedError`` once closed."""
+        new, flights, _ = self._enqueue(numbers, Priority.PREFETCH, deadline)
+        sectors = self.index.sectors
+        return PrefetchBatch(new, sum(sectors[n].length for n in new), flights)
+
+    def _enqueue(
+        self, numbers: Iterable[int], priority: Priority, deadline: float | None
+    ) -> tuple[list[int], list[_Flight], list[str]]:
+        """Queue jobs at ``priority`` for those of ``numbers`` neither cached nor in flight
+        (one per sector content), without waiting: (the sectors queued, in order, their
+        flights, the checksums of those already cached). ``ClosedError`` once closed."""
         if deadline is None:
             deadline = time.monotonic() + self.config.deadline
         sectors = self.index.sectors
         new: dict[str, int] = {}
+        cached: list[str] = []
         flights: list[_Flight] = []
         with self._work:
             if self._closed.is_set():
                 raise ClosedError("fetcher closed")
             for n in numbers:
                 checksum = sectors[n].checksum
-                if (
-                    sectors[n].is_zero
-                    or checksum in self._inflight
-                    or checksum in new
-                    or checksum in self.cache
-                ):
+                if sectors[n].is_zero or checksum in self._inflight or checksum in new:
+                    continue
+                if checksum in self.cache:
+                    cached.append(checksum)
                     continue
                 new[checksum] = n
             for run in self._plan(sorted(new.values())):
-                job = _Job(run, Priority.PREFETCH, deadline)
+                job = _Job(run, priority, deadline)
                 for n in run:
                     flight = self._inflight[sectors[n].checksum] = _Flight(job)
                     flights.append(flight)
                 self._push(job)
-        wanted = sorted(new.values())
-        return PrefetchBatch(wanted, sum(sectors[n].length for n in wanted), flights)
+        return sorted(new.values()), flights, cached
 
     def _warm(self) -> None:
         """Get cached sectors read ahead ready: verified, or on their way from disk."""
