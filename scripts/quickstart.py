@@ -275,7 +275,8 @@ def quickstart(args: argparse.Namespace, work: Path, cleanup: contextlib.ExitSta
           f"   ({lazy.registry_bytes / full.registry_bytes:.1%} of it)")  # fmt: skip
     print(f"  image: {len(manifest['layers'])} layers, {human(compressed)} compressed, "
           f"{human(summary['image_size'])} unpacked (EROFS); block image "
-          f"{human(summary['blob']['size'])} in {summary['stored_sectors']} sectors of "
+          f"{human(sum(b['size'] for b in summary['blobs']))} in "
+          f"{len(summary['blobs'])} blobs, {summary['stored_sectors']} sectors of "
           f"{summary['sector_size'] >> 20} MiB")  # fmt: skip
     print(f"  the container printed: {lazy.first_line!r} (lazy), {full.first_line!r} (full)")
 
