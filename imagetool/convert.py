@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imagetool.erofs.writer import plan_erofs, plan_erofs_regions
-from imagetool.errors import FormatError
+from imagetool.errors import FormatError, ProfileError
 from imagetool.format import (
     BLOB_MEDIA_TYPE,
     DEFAULT_RAW_SAVING,
@@ -76,13 +76,27 @@ class ConvertResult:
 Progress = Callable[[str, int, int | None], None]  # (stage, bytes done delta, total)
 
 
+PROFILE_MAX_LINE = 4096  # PATH_MAX: no path in an image is longer
+
+
 def read_profile(path: Path) -> tuple[str, ...]:
-    """A profile file: one absolute path per line; blank lines and ``#`` comments ignored."""
+    """A profile file: one absolute path per line; blank lines and ``#`` comments ignored.
+    ``ProfileError`` for a file that is not such a list (unreadable, not UTF-8 text, a
+    line that cannot be a path): better refused at conversion than laid out wrong."""
+    try:
+        text = path.read_bytes().decode()
+    except OSError as e:
+        raise ProfileError(f"cannot read profile {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"profile {path} is not a UTF-8 text file (one path per line)") from None
     out = []
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
-        if line and not line.startswith("#"):
-            out.append("/" + line.lstrip("/"))
+        if not line or line.startswith("#"):
+            continue
+        if "\0" in line or len(line) > PROFILE_MAX_LINE:
+            raise ProfileError(f"profile {path}, line {n}: not a path: {line[:60]!r}")
+        out.append("/" + line.lstrip("/"))
     return tuple(out)
 
 
@@ -176,6 +190,11 @@ def _prefetch_order(
     if not options.profile:
         return ()
     by_path = {f.path: f for f in files}
+    absent = [p for p in options.profile if p not in by_path]
+    if absent:  # a profile of another image, or of an older version of this one
+        log.warning("profile: %d of its %d paths are not files with data in this image "
+                    "(first: %s); they are ignored", len(absent), len(options.profile),
+                    absent[0])  # fmt: skip
     order: list[int] = []
     seen = set(range(metadata_sectors))
     for path in options.profile:

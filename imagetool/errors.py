@@ -29,6 +29,10 @@ class InvalidSourceError(ImageToolError, ValueError):
     """The source image is malformed."""
 
 
+class ProfileError(ImageToolError, ValueError):
+    """A startup profile (``convert --profile``) that is not a list of paths."""
+
+
 class UnsafePathError(InvalidSourceError):
     """A layer entry would escape the image root."""
 

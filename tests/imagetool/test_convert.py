@@ -188,3 +188,39 @@ def test_huge_directory_and_layer_semantics_through_the_kernel(tmp_path):
         a, b = (mnt / "hl/orig").stat(), (mnt / "hl/link").stat()
         assert a.st_ino == b.st_ino and a.st_nlink == 2
         assert (mnt / "hl/link").read_bytes() == b"shared"
+
+
+def test_a_profile_of_another_image_is_ignored_with_one_warning(umoci_image, tmp_path):
+    # Paths of another image (or an older version of this one): nothing to lay out first,
+    # one warning, and the image is the one converted without a profile.
+    profile = tmp_path / "foreign.txt"
+    profile.write_text("# recorded elsewhere\n/usr/lib/python3/torch.so\n/models/w.bin\n")
+    plain = imagetool("convert", "-q", umoci_image.spec, f"{tmp_path}/a/app:x")
+    res = imagetool("convert", "-q", "--profile", str(profile), umoci_image.spec,
+                    f"{tmp_path}/b/app:x")  # fmt: skip
+    warnings = [line for line in res.err.splitlines() if "profile" in line]
+    assert len(warnings) == 1, res.err
+    assert "2 of its 2 paths are not files with data in this image" in warnings[0]
+    assert "/usr/lib/python3/torch.so" in warnings[0]
+    assert res.out == plain.out  # the same index digest
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not a UTF-8 text file"),
+        (b"/app/run.sh\n/etc/\x00passwd\n", "line 2: not a path"),
+        (b"/" + b"a" * 5000 + b"\n", "line 1: not a path"),
+    ],
+)
+def test_a_broken_profile_is_refused_before_anything_is_written(
+    umoci_image, tmp_path, content, message
+):
+    profile = tmp_path / "broken.profile"
+    profile.write_bytes(content)
+    res = imagetool("convert", "-q", "--profile", str(profile), umoci_image.spec,
+                    f"{tmp_path}/store/app:x", check=False)  # fmt: skip
+    assert res.code != 0
+    lines = res.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "ProfileError" in lines[0], res.err
+    assert not (tmp_path / "store").exists()  # nothing published, nothing half-written
