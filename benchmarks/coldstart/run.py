@@ -411,7 +411,7 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
             rate = floor["rate_bytes_per_s"]
             lines += [
                 f"Floor {floor['seconds']:.2f} s = max(local {floor['local_s']:.2f} s, "
-                f"{_mb(floor['fetched_bytes'])} ÷ {rate * 8 / 1e6:,.0f} Mbit/s = "
+                f"{_mb(floor['fetched_bytes'])} needed ÷ {rate * 8 / 1e6:,.0f} Mbit/s = "
                 f"{floor['transfer_s']:.2f} s) + {FLOOR_SLACK_S:g} s; the link rate is the "
                 f"store's, measured in this run ({pr['store_rate']['connections']} connections, "
                 f"{_mb(pr['store_rate']['bytes'])} of ranged reads).",
@@ -1083,6 +1083,7 @@ def _snapshotter_stats(stats: dict[str, Any]) -> dict[str, Any]:
         "store_requests": fetch.get("store_requests"),
         "touched_bytes": reads.get("touched_sectors", 0) * sector,
         "touched_sectors": reads.get("touched_sectors", 0),
+        "touched_stored_bytes": reads.get("touched_stored_bytes"),
         "image_sectors": stats.get("image", {}).get("sectors"),
         "prefetch": stats.get("prefetch"),
         # seconds readers waited on the network: for sectors in flight, for ones not asked for
@@ -1315,12 +1316,12 @@ def physical_floor(
 ) -> dict[str, Any] | None:
     """``max(local run, bytes fetched / link rate) + 1 s``: no lazy start can be ready before
     the workload has run from local disk, nor before the bytes it needs have crossed the
-    link. Bytes fetched: the profiled start's (the bytes the workload needs, in the order it
-    needs them), else the plain lazy start's; the link rate: the store's, measured in the
-    same run (``measure_store_rate``)."""
+    link. Bytes: those the profiled start's workload needed (``needed_bytes``), else the
+    plain lazy start's; the link rate: the store's, measured in the same run
+    (``measure_store_rate``)."""
     local = scenarios.get("local", {})
     fetched = next(
-        (scenarios[s]["registry_bytes"] for s in ("lazy-profile", "lazy")
+        (needed_bytes(scenarios[s]) for s in ("lazy-profile", "lazy")
          if scenarios.get(s, {}).get("status") == "ok"),
         None,
     )  # fmt: skip
@@ -1335,6 +1336,15 @@ def physical_floor(
         "fetched_bytes": fetched,
         "rate_bytes_per_s": store_rate["bytes_per_s"],
     }
+
+
+def needed_bytes(s: dict[str, Any]) -> int | None:
+    """The stored bytes a lazy scenario's workload needed: the median over its runs of the
+    sectors the kernel read (the mount's ``touched_stored_bytes``), not what the registry
+    sent (a prefetch streams more once the start is under way); the registry's bytes for
+    runs from before the mount reported it."""
+    touched = [r.get("snapshotter", {}).get("touched_stored_bytes") for r in s.get("runs", [])]
+    return _median_int(touched) or s.get("registry_bytes")
 
 
 def floor_targets(scenarios: dict[str, Any], floor: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -1528,6 +1538,9 @@ def main(argv: list[str] | None = None) -> int:
         for entry in [results, *(results.get("other_images") or [])]:
             for name, pr in entry["presets"].items():
                 pr["targets"] = evaluate_targets(pr["scenarios"]) if name == TARGET_PRESET else []
+                if pr.get("store_rate"):
+                    pr["floor"] = physical_floor(pr["scenarios"], pr["store_rate"])
+                    pr["floor_targets"] = floor_targets(pr["scenarios"], pr["floor"])
                 pr["notes"] = explain(
                     pr["scenarios"],
                     pr.get("via", entry.get("via", "ctr")),

@@ -348,6 +348,8 @@ class MountServer:
             "readahead_sectors": self.fetcher.readahead_sectors.value if self.fetcher else 0,
             "reads": {
                 "touched_sectors": len(touched),
+                # what the readers needed from the store: the physical floor's bytes
+                "touched_stored_bytes": sum(idx.sectors[n].length for n in touched),
                 "touched_data_sectors": sum(1 for n in touched if n >= idx.metadata_sectors),
                 "errors": self.operations.read_errors.value,
             },

@@ -106,6 +106,9 @@ def test_floor_is_the_larger_of_the_local_run_and_the_transfer_plus_one_second()
         ("lazy-profile <= 1.15 x floor", True, 1.0),
         ("lazy <= 1.5 x floor", False, 1.8),
     ]
+    for r in scen["lazy-profile"]["runs"]:  # what the workload read, not what streamed
+        r["snapshotter"] = {"touched_stored_bytes": 300_000_000}
+    assert run.physical_floor(scen, rate)["fetched_bytes"] == 300_000_000
     slow = {**rate, "bytes_per_s": 1_000_000_000}  # a fast link: the local run decides
     assert run.physical_floor(scen, slow)["seconds"] == 4.0
     assert run.physical_floor(scen, None) is None
@@ -124,7 +127,7 @@ def test_the_table_shows_the_floor_and_the_stalls():
     pr["floor_targets"] = run.floor_targets(pr["scenarios"], pr["floor"])
     md = run.markdown_table(res)
     assert "| lazy | 4.00 s | 4.00 s | 4.00 s | 100.0 MB | - | 1.33 | 0.50 / 1.25 s |" in md
-    assert "Floor 3.00 s = max(local 1.00 s, 100.0 MB ÷ 400 Mbit/s = 2.00 s) + 1 s" in md
+    assert "Floor 3.00 s = max(local 1.00 s, 100.0 MB needed ÷ 400 Mbit/s = 2.00 s) + 1 s" in md
     assert "| lazy <= 1.5 x floor | yes | 4.00 s / 3.00 s = 1.33 |" in md
 
 
