@@ -193,7 +193,10 @@ class CacheMetrics:
         self.hits = Counter()
         self.misses = Counter()
         self.puts = Counter()  # entries written
-        self.put_failures = Counter()  # puts dropped (no room, disk full, I/O error)
+        self.put_failures = Counter()  # puts dropped (disk full, I/O error)
+        # Sectors not cached for want of room that could be made (what is left is pinned by
+        # reads in progress): served from memory, verified, to the read that fetched them.
+        self.uncached = Counter()
         self.evictions = Counter()  # entries removed to stay under the size cap
         self.corrupt = Counter()  # entries that failed verification and were deleted
 

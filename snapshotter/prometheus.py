@@ -10,7 +10,8 @@ Prometheus' ``rate`` handles as a counter reset).
 
 Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``fetched_bytes_total``, ``store_requests_total``, ``cache_hits_total``,
-``cache_misses_total``, ``cache_hit_ratio``, ``fetch_latency_seconds`` (histogram),
+``cache_misses_total``, ``cache_uncached_total``, ``cache_hit_ratio``,
+``fetch_latency_seconds`` (histogram),
 ``errors_total{kind=fetch|store|checksum|read|prefetch}``, ``inflight_fetches``,
 ``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``,
 ``stall_seconds_total{why=late|missing}`` (seconds readers waited on the network, for
@@ -86,6 +87,15 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     yield counter("read_bytes", "Bytes served to the kernel through FUSE.", "read_bytes")
     yield counter("prefetched_sectors", "Sectors brought in by the prefetcher.",
                   "prefetched_sectors")  # fmt: skip
+    uncached = CounterMetricFamily(
+        p + "cache_uncached",
+        "Sectors served from memory without being cached: no room could be made (what the "
+        "cache holds is pinned by reads in progress).",
+        labels=LABELS,
+    )
+    for s in all_stats:
+        uncached.add_metric([s["mountpoint"], s["ref"]], s.get("cache", {}).get("uncached", 0))
+    yield uncached
 
     ratio = GaugeMetricFamily(
         p + "cache_hit_ratio", "Cache hits / (hits + misses) since mount.", labels=LABELS
