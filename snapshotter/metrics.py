@@ -10,8 +10,12 @@ exposition can be layered on later without touching the code that records.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import json
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Fetch latency buckets (seconds, upper bounds): 1 ms .. ~33 s, doubling. A local directory
@@ -193,9 +197,59 @@ class CacheMetrics:
         self.hits = Counter()
         self.misses = Counter()
         self.puts = Counter()  # entries written
-        self.put_failures = Counter()  # puts dropped (no room, disk full, I/O error)
+        self.put_failures = Counter()  # puts dropped (disk full, I/O error)
+        # Sectors not cached for want of room that could be made (what is left is pinned by
+        # reads in progress): served from memory, verified, to the read that fetched them.
+        self.uncached = Counter()
         self.evictions = Counter()  # entries removed to stay under the size cap
         self.corrupt = Counter()  # entries that failed verification and were deleted
 
     def snapshot(self) -> dict[str, Any]:
         return {name: m.value for name, m in vars(self).items() if isinstance(m, Counter)}
+
+
+# The daemon's remount failures, under the mount state directory, for the metrics exporter
+# (``lazyblock_remount_failures_total{reason}``): a separate process, like the mount servers.
+REMOUNT_FAILURES_FILE = "remount-failures.json"
+
+
+class RemountFailures:
+    """Remounts that failed, by reason (``auth``: the registry refused the credentials the
+    daemon had, or wanted some it had none of; ``other``), counted across daemon restarts in
+    ``path`` (a JSON object of counts; nothing else is written there); in memory only
+    without one."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._counts = read_remount_failures(path) if path is not None else {}
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            counts = dict(self._counts)
+        if self.path is None:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(counts))
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def read_remount_failures(path: Path) -> dict[str, int]:
+    """The counts a daemon recorded in ``path`` (empty if none, or unreadable)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, int)}

@@ -10,13 +10,16 @@ Prometheus' ``rate`` handles as a counter reset).
 
 Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``fetched_bytes_total``, ``store_requests_total``, ``cache_hits_total``,
-``cache_misses_total``, ``cache_hit_ratio``, ``fetch_latency_seconds`` (histogram),
+``cache_misses_total``, ``cache_uncached_total``, ``cache_hit_ratio``,
+``fetch_latency_seconds`` (histogram),
 ``errors_total{kind=fetch|store|checksum|read|prefetch}``, ``inflight_fetches``,
 ``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``,
 ``stall_seconds_total{why=late|missing}`` (seconds readers waited on the network, for
 sectors read ahead or prefetched too late / for sectors nobody had asked for), ``cache_bytes``,
-``cache_entries``, ``cache_capacity_bytes``. Where a hosts directory gives a registry
-mirrors, per host (labels ``source``, its API root, and ``role``, mirror or server):
+``cache_entries``, ``cache_capacity_bytes``, ``remount_failures_total{reason=auth|other}``
+(the daemon's, from the file it keeps under the state directory). Where a hosts directory
+gives a registry mirrors, per host (labels ``source``, its API root, and ``role``, mirror or
+server):
 ``source_requests_total{outcome=ok|error|timeout|not_found|rejected}``,
 ``source_bytes_total``, ``source_skipped_total`` (reads that passed over it while it backed
 off), ``source_backoff_seconds``.
@@ -39,6 +42,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from snapshotter.cache.sectors import cache_usage
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
+from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_remount_failures
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,15 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     yield counter("read_bytes", "Bytes served to the kernel through FUSE.", "read_bytes")
     yield counter("prefetched_sectors", "Sectors brought in by the prefetcher.",
                   "prefetched_sectors")  # fmt: skip
+    uncached = CounterMetricFamily(
+        p + "cache_uncached",
+        "Sectors served from memory without being cached: no room could be made (what the "
+        "cache holds is pinned by reads in progress).",
+        labels=LABELS,
+    )
+    for s in all_stats:
+        uncached.add_metric([s["mountpoint"], s["ref"]], s.get("cache", {}).get("uncached", 0))
+    yield uncached
 
     ratio = GaugeMetricFamily(
         p + "cache_hit_ratio", "Cache hits / (hits + misses) since mount.", labels=LABELS
@@ -136,6 +149,16 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
         g = GaugeMetricFamily(p + name, doc)
         g.add_metric([], value)
         yield g
+    failures = CounterMetricFamily(
+        p + "remount_failures",
+        "Remounts of remote snapshots the daemon could not do, by reason: auth (the "
+        "registry wanted credentials the daemon lacks, or refused them), other. Retried.",
+        labels=["reason"],
+    )
+    counts = read_remount_failures(config.state_dir / REMOUNT_FAILURES_FILE)
+    for reason in sorted({"auth", "other", *counts}):
+        failures.add_metric([reason], counts.get(reason, 0))
+    yield failures
 
 
 def _sources(all_stats: list[dict[str, Any]]) -> Iterator[Metric]:

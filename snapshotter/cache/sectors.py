@@ -32,8 +32,9 @@ that beat reading whole entries ahead with direct I/O.
 
 Layout under ``root`` (the version lets a later layout live beside this one)::
 
-    v3/wip/<random>             entries being written, allocated at their full size
-                                (counted against the cap; removed on open once stale)
+    v3/wip/r<pid>-<random>      entries being written, allocated at their full size and
+                                counted against the cap; ``flock``ed by their writer until
+                                installed, so a rescan removes one whose writer died
     v3/<cc>/<checksum>          one entry; <cc> is the checksum's first two hex digits
 
 Writes go to ``wip/`` and are renamed into place, so readers see a whole entry or none. They
@@ -41,7 +42,14 @@ are not fsynced: a crash can leave a renamed entry with lost or torn contents, w
 first read of it detects and refetches, so a sync per sector would only buy back a refetch.
 The cache is bounded to ``max_bytes`` of entry files, those being written included (room is
 made and counted, and the file allocated at its full size, before it is written), with
-least-recently-used eviction; the
+least-recently-used eviction. A reservation whose writer died (a mount server killed
+mid-write) is found by its file's lock, which the kernel drops with the process: a rescan
+removes its file and recounts the directory, and a put looks for such files every
+``ORPHAN_CHECK_SECONDS`` and rescans when it finds one, so a crash costs the cap nothing
+for longer than that. When the cap has no room left that can be made (every entry is pinned
+by a read in progress: a cap smaller than what the reads in flight need at once), the sector
+is not cached: the read is served from the verified bytes in memory, as always, and
+``CacheMetrics.uncached`` counts it; nothing waits for room. The
 recency clock is the entry file's mtime, set when an entry is used (at most every
 ``TOUCH_INTERVAL`` seconds per entry), so the order survives restarts: opening a cache
 rebuilds its state from the directory. Entries *pinned* by an in-progress read are never
@@ -137,9 +145,14 @@ POOL_GRAIN = 64 << 10
 # next few puts do not each hit ENOSPC (and pay for a failed write) again.
 ENOSPC_SLACK_BYTES = 8 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# Opening the cache and gc() remove temporary files older than this; younger ones may belong
-# to a put running in this or another process (a put writes its file in milliseconds).
+# Files in wip/ that their writer holds no lock on: this layout's (named ``r<pid>-...``) are
+# orphans at once (the writer died); an older version's writers lock nothing, so theirs are
+# removed once older than this (a put writes its file in milliseconds).
 STALE_WIP_SECONDS = 60.0
+WIP_PREFIX = "r"
+# A put looks for orphaned reservations at most this often per process (a listing of wip/
+# and a lock attempt per file there, the entries in flight on the node).
+ORPHAN_CHECK_SECONDS = 5.0
 # The directory's entry bytes, kept by every process that shares it (``SharedUsage``).
 USAGE_FILE = "usage"
 
@@ -182,6 +195,28 @@ class _File:
             os.close(self.fd)
             if self._buffered not in (-1, self.fd):
                 os.close(self._buffered)
+
+
+class _Reservation:
+    """Room taken for an entry being written: its file in ``wip/`` (allocated at the
+    entry's size and counted), held open and ``flock``ed until it is installed or given
+    back, so that a rescan can tell it from one whose writer died."""
+
+    __slots__ = ("path", "fd", "total")
+
+    def __init__(self, path: Path, fd: int, total: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.total = total
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            self.close()
 
 
 class _Verified:
@@ -259,6 +294,7 @@ class SectorCache:
         self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> file bytes, LRU first
         self._usage = 0
         self._reserved = 0  # bytes of entries this process is writing (counted in _usage)
+        self._orphan_check_at = time.monotonic() + ORPHAN_CHECK_SECONDS  # opening rescans
         self._pins: _Multiset[str] = _Multiset()
         self._verified: dict[str, _Verified] = {}  # entries whose trailer this process checked
         self._files: OrderedDict[str, _File] = OrderedDict()  # open entries, LRU first
@@ -400,31 +436,34 @@ class SectorCache:
         total = aligned(len(data)) + len(trailer)
         # Room is made and the entry counted before its file is written (``_reserve``), so
         # the directory never holds more than the cap, entries being written included.
+        self._check_orphans()
         for attempt in (1, 2):
             with self._changing():
                 if checksum in self._entries:
                     self._touch(checksum)
                     return True
                 try:
-                    tmp = self._reserve(total)
+                    res = self._reserve(total)
                 except OSError as e:
                     self.metrics.put_failures.inc()
                     log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
                     return False
-            if tmp is not None or attempt == 2:
+            if res is not None or attempt == 2:
                 break
             # Other processes' entries fill the directory, and this one knows too few of
             # them to make the room: learn them all, and evict the least recently used.
             self._reconcile_for_room()
-        if tmp is None:
-            self.metrics.put_failures.inc()
+        if res is None:
+            # What is left is pinned by reads in progress (or the entry is larger than the
+            # cap): the read goes on from memory.
+            self.metrics.uncached.inc()
             log.debug("sector cache: no room for %s (%d bytes), not cached", checksum, total)
             return False
         try:
-            self._write_tmp(tmp, held, trailer)
+            self._write_tmp(res, held, trailer)
         except OSError as e:
             with self._changing():
-                self._release(tmp, total)
+                self._release(res)
             self.metrics.put_failures.inc()
             log.warning("sector cache: cannot write %s: %s; not cached", checksum, e)
             return False
@@ -433,18 +472,19 @@ class SectorCache:
         # other processes.
         with self._changing():
             if checksum in self._entries:  # another thread won the race
-                self._release(tmp, total)
+                self._release(res)
                 self._touch(checksum)
                 return True
             try:
                 path.parent.mkdir(exist_ok=True)
                 replaced = os.path.exists(path)  # another process's copy: counted already
-                os.replace(tmp, path)
+                os.replace(res.path, path)
             except OSError as e:
-                self._release(tmp, total)
+                self._release(res)
                 self.metrics.put_failures.inc()
                 log.warning("sector cache: cannot install %s: %s; not cached", checksum, e)
                 return False
+            res.close()  # its lock: the file is an entry now, out of wip/
             self._reserved -= total
             if replaced:
                 self._shared.add(-total)
@@ -453,33 +493,35 @@ class SectorCache:
         self.metrics.puts.inc()
         return True
 
-    def _reserve(self, total: int) -> Path | None:
+    def _reserve(self, total: int) -> _Reservation | None:
         """Make room for an entry of ``total`` bytes, create its file in ``wip/`` at its full
-        size and count it, in this process and in the directory; None when there is no
-        room among the entries this process knows. Under ``_changing``. A disk that is full
-        although the count has room: evict a little more and try once more."""
+        size, lock it and count it, in this process and in the directory; None when there
+        is no room among the entries this process knows. Under ``_changing``, so no rescan
+        sees the file before its lock. A disk that is full although the count has room:
+        evict a little more and try once more."""
         if not self._make_room(total):
             return None
         directory = self._shared.get()
         if directory is None or directory + total > self.max_bytes:
             return None
         for attempt in (1, 2):
-            fd, name = tempfile.mkstemp(dir=self._wip)
+            fd, name = tempfile.mkstemp(prefix=f"{WIP_PREFIX}{os.getpid()}-", dir=self._wip)
             try:
+                # Blocking: a check for orphans (``_orphaned``) may hold it for an instant.
+                fcntl.flock(fd, fcntl.LOCK_EX)
                 self._allocate(fd, total)
                 break
             except OSError as e:
                 _unlink(Path(name))
+                os.close(fd)
                 if e.errno not in _DISK_FULL or attempt == 2:
                     raise
                 freed = self._evict(total + ENOSPC_SLACK_BYTES)
                 log.info("sector cache: disk full, evicted %d bytes and retrying", freed)
-            finally:
-                os.close(fd)
         self._shared.add(total)
         self._usage += total
         self._reserved += total
-        return Path(name)
+        return _Reservation(Path(name), fd, total)
 
     @staticmethod
     def _allocate(fd: int, size: int) -> None:
@@ -493,13 +535,30 @@ class SectorCache:
                 raise
             os.ftruncate(fd, size)
 
-    def _release(self, tmp: Path, total: int) -> None:
-        """Give up a reservation (``_reserve``): its file and its count. Under
+    def _release(self, res: _Reservation) -> None:
+        """Give up a reservation (``_reserve``): its file, its lock and its count. Under
         ``_changing``."""
-        _unlink(tmp)
-        self._shared.add(-total)
-        self._usage -= total
-        self._reserved -= total
+        _unlink(res.path)
+        res.close()
+        self._shared.add(-res.total)
+        self._usage -= res.total
+        self._reserved -= res.total
+
+    def _check_orphans(self) -> None:
+        """At most every ``ORPHAN_CHECK_SECONDS``: if a reservation in ``wip/`` has lost its
+        writer (a process killed mid-write; its lock went with it), rescan, which removes
+        its file and takes its bytes off the directory's count."""
+        now = time.monotonic()
+        if now < self._orphan_check_at:
+            return
+        self._orphan_check_at = now + ORPHAN_CHECK_SECONDS
+        try:
+            names = os.listdir(self._wip)
+        except OSError:
+            return
+        if any(_orphaned(self._wip / name) for name in names):
+            log.info("sector cache %s: a writer died mid-write; rescanning", self._dir)
+            self._reconcile_for_room()
 
     @contextlib.contextmanager
     def pin(self, checksums: Iterable[str]) -> Iterator[None]:
@@ -808,29 +867,28 @@ class SectorCache:
 
     # --- internals: writes ----------------------------------------------------------------
 
-    def _write_tmp(self, tmp: Path, data: bytes | memoryview | EntryBuffer, trailer: bytes) -> None:
+    def _write_tmp(
+        self, res: _Reservation, data: bytes | memoryview | EntryBuffer, trailer: bytes
+    ) -> None:
         """Write an entry file (``data``, zeros to a page boundary, ``trailer``) into its
-        reserved file ``tmp`` in ``wip/``. Not fsynced: see the module's docstring."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            if isinstance(data, EntryBuffer):
-                self._write_entry(fd, data.entry(trailer))
-            else:
-                size = len(data)
-                start = aligned(size)
-                total = start + len(trailer)
-                buf = self._buffers.take(total)
-                view = memoryview(buf)
-                try:
-                    view[:size] = data
-                    view[size:start] = bytes(start - size)  # the buffer is reused: zero the gap
-                    view[start:total] = trailer
-                    self._write_entry(fd, view[:total])
-                finally:
-                    view.release()
-                    self._buffers.give(buf)
-        finally:
-            os.close(fd)
+        reserved file in ``wip/``. Not fsynced: see the module's docstring."""
+        fd = res.fd
+        if isinstance(data, EntryBuffer):
+            self._write_entry(fd, data.entry(trailer))
+        else:
+            size = len(data)
+            start = aligned(size)
+            total = start + len(trailer)
+            buf = self._buffers.take(total)
+            view = memoryview(buf)
+            try:
+                view[:size] = data
+                view[size:start] = bytes(start - size)  # the buffer is reused: zero the gap
+                view[start:total] = trailer
+                self._write_entry(fd, view[:total])
+            finally:
+                view.release()
+                self._buffers.give(buf)
 
     def _write_entry(self, fd: int, view: memoryview) -> None:
         """All of ``view`` (a whole entry) to the reserved file ``fd`` from its start: with
@@ -870,15 +928,19 @@ class SectorCache:
 
     def _scan(self) -> tuple[list[tuple[float, str, int]], int]:
         """(last use, checksum, bytes) of every entry file, least recently used first, and
-        the bytes of the entries being written (reserved at their full size); removes stale
-        temporary files."""
+        the bytes of the entries being written (reserved at their full size); removes the
+        files of writers that are gone. Under the directory's lock, so every reservation it
+        sees is locked by its writer if that writer lives."""
         now = time.time()
         writing = 0
         for f in self._wip.iterdir():
             with contextlib.suppress(OSError):
                 st = f.stat()
-                if now - st.st_mtime >= STALE_WIP_SECONDS:
+                if _orphaned(f) or (
+                    not f.name.startswith(WIP_PREFIX) and now - st.st_mtime >= STALE_WIP_SECONDS
+                ):
                     f.unlink()
+                    log.info("sector cache: removed %s, left by a writer that is gone", f)
                 else:
                     writing += st.st_size
         found: list[tuple[float, str, int]] = []
@@ -955,6 +1017,26 @@ def open_file_cap() -> int:
     if soft == resource.RLIM_INFINITY:
         return OPEN_FILES
     return max(16, min(OPEN_FILES, soft // 8))
+
+
+def _orphaned(path: Path) -> bool:
+    """Whether ``path`` is a reservation of this layout in ``wip/`` whose writer is gone:
+    no process holds its lock (the kernel drops a ``flock`` with the last descriptor, so
+    with the process that died). A file another version wrote, or one that went away, is
+    not."""
+    if not path.name.startswith(WIP_PREFIX):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its writer holds it
+    finally:
+        os.close(fd)  # and with it the lock this took, if it took one
+    return True
 
 
 def _unlink(path: Path) -> bool:

@@ -40,6 +40,12 @@ def serve(config: Config) -> None:
     store = SnapshotStore(service.root, mounter=remote.mounter)
     remote.attach(store)
     _warm_fork_server()
+    # The CRI credentials of the images mounted before this start, from their mount
+    # servers (memory only), so that what must be remounted authenticates as before.
+    recovered = remote.recover_credentials()
+    if recovered:
+        log.info("registry credentials of %d repositories recovered from mount servers",
+                 recovered)  # fmt: skip
     remote.restore()
     store.cleanup()
     server = start_server(service.address, store, remote, service.workers)

@@ -46,8 +46,15 @@ from snapshotter.containerd.snapshots import (
     SnapshotNotFoundError,
     SnapshotStore,
 )
+from snapshotter.metrics import REMOUNT_FAILURES_FILE, RemountFailures
+from snapshotter.mount.api import MountError
 
 log = logging.getLogger(__name__)
+
+
+class RemountAuthError(MountError):
+    """A remount the registry refused: no credentials, or ones it does not take (logged and
+    counted as such, retried every ``remount_interval``)."""
 
 
 class RemoteLayers:
@@ -61,6 +68,9 @@ class RemoteLayers:
         # Where the CRI image service proxy records pull credentials for the mounts.
         self.keychain = keychain if keychain is not None else Keychain()
         self.store: SnapshotStore | None = None
+        # Remounts that failed, for the metrics exporter; in memory until ``create`` (the
+        # daemon) gives it a file under the mount state directory.
+        self.failures = RemountFailures()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -74,7 +84,15 @@ class RemoteLayers:
         )
         mounter = MountBackend(config.mount, config.service.insecure_registries, credentials)
         resolver = LayerResolver(registry_manifests(lambda ref: mounter.config_for(ref).store))
-        return cls(resolver, mounter, mounter.keychain)
+        layers = cls(resolver, mounter, mounter.keychain)
+        layers.failures = RemountFailures(config.mount.state_dir / REMOUNT_FAILURES_FILE)
+        return layers
+
+    def recover_credentials(self) -> int:
+        """A starting daemon's: take in the CRI credentials the live mount servers hold
+        (``MountBackend.recover_credentials``), before anything is remounted."""
+        recover = getattr(self.mounter, "recover_credentials", None)
+        return recover() if recover is not None else 0
 
     def attach(self, store: SnapshotStore) -> None:
         self.store = store
@@ -120,6 +138,8 @@ class RemoteLayers:
         for info in self.store.remote_snapshots():
             try:
                 remounted += self._remount_if_gone(info.name)
+            except RemountAuthError:
+                pass  # logged as such; the next check (or a Prepare that needs it) retries
             except Exception as e:  # the next check (or a Prepare that needs it) retries
                 log.error("remote snapshot %s: remount failed: %s", info.name, e)
         return remounted
@@ -158,6 +178,22 @@ class RemoteLayers:
                 return False
             log.warning("remote snapshot %s: mount gone, remounting %s", name, remote.ref)
             # mount() also clears what a dead server left at the mount point.
-            self.mounter.mount(remote.ref, mountpoint)
+            try:
+                self.mounter.mount(remote.ref, mountpoint)
+            except MountError as e:
+                if e.cause == "AuthError":
+                    self.failures.failed("auth")
+                    log.error(
+                        "remote snapshot %s: remount of %s cannot authenticate (%s); retried "
+                        "every remount_interval and before a Prepare that needs it: a CRI "
+                        "pull of the image, or the node's docker config, gives credentials",
+                        name, remote.ref, e,
+                    )  # fmt: skip
+                    raise RemountAuthError(str(e)) from None
+                self.failures.failed("other")
+                raise
+            except Exception:
+                self.failures.failed("other")
+                raise
         log.info("remote snapshot %s: remounted at %s", name, mountpoint)
         return True

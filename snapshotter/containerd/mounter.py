@@ -19,12 +19,21 @@ import threading
 from pathlib import Path
 
 from imagetool.registry.hosts import HostsConfig, hosts_dir_stamp
+from imagetool.stores.refs import registry_host
 from snapshotter.config import ConfigError, MountConfig, read_registry_hosts
-from snapshotter.containerd.keychain.cri import Keychain
+from snapshotter.containerd.keychain.cri import Keychain, Secret
 from snapshotter.containerd.keychain.dockerconfig import Credentials
+from snapshotter.errors import SnapshotterError
 from snapshotter.mount import api, state
 
 log = logging.getLogger(__name__)
+
+
+def repository_of(ref: str) -> tuple[str, str]:
+    """(registry host, repository) of a mount's registry reference, as the keychain keys
+    credentials: any tag or digest of the repository."""
+    host, _, path = ref.removeprefix("docker://").partition("/")
+    return host, path.split("@", 1)[0].split(":", 1)[0]
 
 
 class RegistryHostsWatch:
@@ -82,14 +91,14 @@ class MountBackend:
         """The mount config for ``ref``: plain HTTP for insecure hosts, the credentials of
         a CRI pull of its repository if there was one, else the merged docker config, and
         the registry hosts directory as it is now."""
-        host, _, path = ref.removeprefix("docker://").partition("/")
+        host, repository = repository_of(ref)
         store = self.config.store
         changes: dict[str, object] = {}
         if host in self.insecure:
             changes["plain_http"] = True
         if self.credentials is not None:
             changes["docker_config"] = self.credentials.refresh()
-        secret = self.keychain.lookup(host, path.split("@", 1)[0].split(":", 1)[0])
+        secret = self.keychain.lookup(host, repository)
         if secret is not None:
             changes["credentials"] = secret
         hosts = self.hosts.get()
@@ -101,6 +110,28 @@ class MountBackend:
                 store=dataclasses.replace(store, **changes),  # type: ignore[arg-type]
             )
         return self.config
+
+    def recover_credentials(self) -> int:
+        """Ask every live mount server for the CRI credentials it was started with and keep
+        them in the keychain (``Keychain.adopt``): what a restarted daemon remounts with.
+        Returns how many repositories' credentials were taken in."""
+        taken = 0
+        for info in api.list_mounts(self.config):
+            if not info.alive:
+                continue
+            try:
+                secret = api.credentials(info.mountpoint, self.config)
+            except SnapshotterError as e:
+                log.warning("mount server of %s: no credentials from it: %s", info.ref, e)
+                continue
+            if secret is None:
+                continue
+            host, repository = repository_of(info.ref)
+            if self.keychain.adopt(host, repository, Secret(*secret)):
+                taken += 1
+                log.info("registry credentials for %s/%s recovered from the mount server "
+                         "of %s", registry_host(host), repository, info.ref)  # fmt: skip
+        return taken
 
     def mount(self, ref: str, mountpoint: Path) -> None:
         with self.lock(mountpoint):

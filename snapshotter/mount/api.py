@@ -54,7 +54,13 @@ STARTUP_SLACK = 15.0
 
 
 class MountError(SnapshotterError):
-    """A mount could not be set up (the message says why: store, index, kernel...)."""
+    """A mount could not be set up (the message says why: store, index, kernel...).
+    ``cause``: the name of the error the mount server met (``AuthError`` when the registry
+    refused the credentials or wanted some), where it said."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class AlreadyMountedError(MountError):
@@ -188,7 +194,10 @@ def mount(
         )
         with contextlib.suppress(SnapshotterError):
             unmount(mountpoint, config)
-        raise MountError(f"cannot mount {ref} at {mountpoint}: {reason}")
+        raise MountError(
+            f"cannot mount {ref} at {mountpoint}: {reason}",
+            answer.get("type") if answer else None,
+        )
     server.reap_in_background()
     server.start_fork_server()
     record = state.MountRecord.load(directory)
@@ -430,6 +439,22 @@ def list_mounts(config: MountConfig) -> list[MountInfo]:
         if record is not None:
             out.append(MountInfo.from_record(record, directory))
     return out
+
+
+def credentials(
+    mountpoint: Path, config: MountConfig, timeout: float = 5.0
+) -> tuple[str, str] | None:
+    """The registry credentials the live mount at ``mountpoint`` was started with
+    (``StoreOptions.credentials``), asked of its server; None if it has none."""
+    _, directory = _live_record(mountpoint, config)
+    answer = control.request(directory / state.CONTROL_SOCKET, "credentials", timeout)
+    if answer is None:
+        return None
+    if not isinstance(answer, dict) or not all(
+        isinstance(answer.get(k), str) for k in ("username", "password")
+    ):
+        raise control.ControlError(f"mount server at {mountpoint}: malformed credentials")
+    return answer["username"], answer["password"]
 
 
 def _live_record(mountpoint: Path, config: MountConfig) -> tuple[state.MountRecord, Path]:

@@ -192,7 +192,8 @@ class MountServer:
         if launched is not None:
             self._mount_seconds["launch"] = launched
         self.control = ControlServer(
-            self.dir / state.CONTROL_SOCKET, {"stats": self._stats, "profile": self._profile}
+            self.dir / state.CONTROL_SOCKET,
+            {"stats": self._stats, "profile": self._profile, "credentials": self._credentials},
         ).start()
         self._save("ready")
         log.info(
@@ -368,6 +369,14 @@ class MountServer:
                 **self.cache.metrics.snapshot(),
             },
         }
+
+    def _credentials(self, request: dict[str, Any]) -> dict[str, str] | None:
+        """The registry credentials this mount was started with from the daemon's CRI
+        keychain (``StoreOptions.credentials``; not a docker config's), so that a restarted
+        daemon can remount the image's other layers, or this one, after this server dies.
+        Over the root-only control socket only; never logged."""
+        secret = self.config.store.credentials
+        return None if secret is None else {"username": secret[0], "password": secret[1]}
 
     def _profile(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.reader is not None and self.operations is not None

@@ -32,6 +32,7 @@ from harness import (
     alive_at,
     find_flavour,
     kill_mount_servers,
+    mount_config,
     registry_data_bytes,
     registry_log_end,
     running_node,
@@ -244,3 +245,96 @@ def test_pull_through_the_transfer_service(
     assert 0 < read < size // 4, (read, size)
     assert "credentials recorded for" in transfer_node.snapshotter.log_text()
     assert_no_secret(transfer_node)
+
+
+@pytest.fixture(scope="module")
+def restart_node(
+    tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
+) -> Iterator[Containerd]:
+    """As ``auth_node``, with the periodic remount check every 2 s."""
+    root = tmp_path_factory.mktemp(f"restartnode-{flavour.name}")
+    empty = root / "no-docker-config"
+    empty.mkdir()
+    settings = {
+        "image_service_address": str(root / "lazyblock" / "image.sock"),
+        "containerd_address": str(root / "containerd" / "containerd.sock"),
+        "remount_interval": "2",
+    }
+    with running_node(
+        root, auth_registry.host, flavour, settings, env={"DOCKER_CONFIG": str(empty)}
+    ) as node:
+        assert node.snapshotter.proc is not None
+        wait_for(Path(settings["image_service_address"]), node.snapshotter.proc, "image service")
+        yield node
+
+
+def assert_not_on_disk(node: Containerd) -> None:
+    """No file under the daemon's directories (root, state, cache, config, logs) holds the
+    password or user:password in base64; mounted images are not walked into."""
+    encoded = base64.b64encode(f"{USER}:{PASSWORD}".encode())
+    checked = 0
+    for dirpath, dirs, files in os.walk(node.snapshotter.root):
+        dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(dirpath, d))]
+        for name in files:
+            path = Path(dirpath, name)
+            if not path.is_file() or path.is_symlink():
+                continue
+            data = path.read_bytes()
+            checked += 1
+            assert PASSWORD.encode() not in data and encoded not in data, path
+    assert checked > 10
+
+
+def test_credentials_for_remounts_survive_a_daemon_restart(
+    restart_node: Containerd, auth_registry: AuthRegistry, secure_image
+) -> None:
+    """The kubelet's credentials, recorded from its pull, outlive a daemon restart in the
+    mount servers' memory: the new daemon takes them back from them, and a mount server
+    killed after the restart is remounted with them. With every mount server gone too,
+    the remount cannot authenticate: logged and counted, retried, and done once a pull
+    gives credentials again. Nothing of them is written to disk."""
+    from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_remount_failures
+    from snapshotter.prometheus import exposition
+
+    node = restart_node
+    ref, _ = secure_image
+    proxy_pull(node, ref, username=USER, password=PASSWORD)
+    run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
+    out = node.ctr(*run, "rs1", "/bin/sh", "-c", "wc -c < /app/data.bin",
+                   namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out.strip() == str(BIG)
+
+    # 1. Restart: the daemon asks the live mount servers; then one dies and is remounted.
+    node.snapshotter.restart()
+    mountpoints = kill_mount_servers(node)
+    assert mountpoints
+    out = node.ctr(*run, "rs2", "/bin/sh", "-c", "wc -c < /app/data.bin",
+                   namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out.strip() == str(BIG)
+    assert alive_at(node, mountpoints)
+    assert "recovered from the mount server of" in node.snapshotter.log_text()
+
+    # 2. Restart with no mount server left to ask: the remount cannot authenticate.
+    node.snapshotter.stop()
+    kill_mount_servers(node)
+    node.snapshotter.start()
+    failures = mount_config(node).state_dir / REMOUNT_FAILURES_FILE
+    deadline = time.monotonic() + 30
+    while read_remount_failures(failures).get("auth", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the start's check and at least one periodic retry
+    assert read_remount_failures(failures).get("auth", 0) >= 2
+    assert "cannot authenticate" in node.snapshotter.log_text()
+    assert not alive_at(node, mountpoints)
+    text = exposition(mount_config(node)).decode()
+    assert 'lazyblock_remount_failures_total{reason="auth"}' in text
+    # The kubelet pulls again (a pod starting): the next periodic check remounts.
+    proxy_pull(node, ref, username=USER, password=PASSWORD)
+    deadline = time.monotonic() + 30
+    while not alive_at(node, mountpoints) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_at(node, mountpoints)
+    out = node.ctr(*run, "rs3", "/bin/sh", "-c", "wc -c < /app/data.bin",
+                   namespace=CRI_NAMESPACE).stdout  # fmt: skip
+    assert out.strip() == str(BIG)
+    assert_not_on_disk(node)
+    assert_no_secret(node)

@@ -70,3 +70,21 @@ def test_mounts_get_the_recorded_credentials(tmp_path) -> None:  # noqa: ANN001
     assert MountConfig.from_dict(config.to_dict()).store.credentials == ("u", "s3")
     other = backend.config_for("docker://reg.example:5000/team/other@sha256:" + "1" * 64)
     assert other.store.credentials is None
+
+
+def test_adopted_credentials_give_way_to_a_pull() -> None:
+    """What a restarted daemon takes back from its mount servers is used until a pull of
+    the repository records newer ones, and never replaces those."""
+    from snapshotter.containerd.keychain.cri import Secret
+    from snapshotter.containerd.mounter import repository_of
+
+    keys = Keychain()
+    host, repository = repository_of("docker://reg.example:5000/team/app@sha256:" + "1" * 64)
+    assert (host, repository) == ("reg.example:5000", "team/app")
+    assert keys.adopt(host, repository, Secret("u", "from-mount-server"))
+    assert keys.lookup("reg.example:5000", "team/app") == ("u", "from-mount-server")
+    assert not keys.adopt(host, repository, Secret("u", "another-server"))
+    assert keys.lookup("reg.example:5000", "team/app") == ("u", "from-mount-server")
+    keys.record("reg.example:5000/team/app:v2", auth(username="u", password="pulled"))
+    assert not keys.adopt(host, repository, Secret("u", "from-mount-server"))
+    assert keys.lookup("reg.example:5000", "team/app") == ("u", "pulled")

@@ -336,6 +336,62 @@ def test_the_cap_holds_with_the_entries_being_written(tmp_path: Path) -> None:
     assert shared_usage(tmp_path) == directory_bytes(tmp_path) <= cap
 
 
+_STALLED_WRITER = """
+import sys, time
+from pathlib import Path
+from imagetool.format import sector_checksum
+from snapshotter.cache.sectors import SectorCache
+
+class Stalled(SectorCache):
+    def _write_entry(self, fd, view):  # half the entry, then a writer that hangs (killed)
+        import os
+        os.pwrite(fd, bytes(view[: len(view) // 2]), 0)
+        print("writing", flush=True)
+        time.sleep(600)
+
+root, cap = Path(sys.argv[1]), int(sys.argv[2])
+data = b"w" * 60_000
+Stalled(root, cap).put(sector_checksum(data), data)
+"""
+
+
+def test_a_writer_killed_mid_write_gives_its_room_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mount server killed while writing an entry leaves its reservation (its file in
+    wip/, counted). While the writer lives, a rescan keeps it (its lock says so); once it
+    is dead, the next put of another process finds it, removes it and recounts, so the cap
+    loses nothing to the crash."""
+    from snapshotter.cache import sectors
+
+    monkeypatch.setattr(sectors, "ORPHAN_CHECK_SECONDS", 0.0)
+    rng = random.Random(31)
+    entries = [random_entry(rng, 60_000) for _ in range(4)]
+    cap = 4 * on_disk(entries[0][1])
+    cache = SectorCache(tmp_path, cap)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_WRITER, str(tmp_path), str(cap)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
+        wip = tmp_path / LAYOUT_VERSION / "wip"
+        (reserved,) = wip.iterdir()
+        assert reserved.stat().st_size == on_disk(entries[0][1])
+        cache.reconcile()  # a live writer's reservation stays, and counts
+        assert list(wip.iterdir()) == [reserved]
+        assert shared_usage(tmp_path) == on_disk(entries[0][1])
+        assert cache.put(*entries[0])
+    finally:
+        writer.kill()
+        writer.wait()
+    for key, stored in entries[1:]:
+        assert cache.put(key, stored)
+    assert not list(wip.iterdir())
+    assert all(key in cache for key, _ in entries)  # the dead reservation took no room
+    assert shared_usage(tmp_path) == directory_bytes(tmp_path) == cap
+
+
 def test_gc_reconciles_with_the_directory(tmp_path: Path) -> None:
     rng = random.Random(6)
     a, b = random_entry(rng), random_entry(rng)

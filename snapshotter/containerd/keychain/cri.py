@@ -21,9 +21,16 @@ disk, never logged (log lines name images and hosts only). Accepted forms:
 ``username``/``password`` and ``auth`` (base64
 ``user:password``). ``identity_token`` and ``registry_token`` are not usable for mounts: such
 a pull is forwarded and the mounts fall back to the node's docker config (a warning says so).
-What is lost: a daemon restart forgets every credential. Mounts that outlive the restart
-keep their own copy, but a layer that must be remounted afterwards (mount server killed,
-node rebooted) needs the node's docker config until the kubelet pulls the image again.
+Daemon restarts: the mount servers outlive the daemon and each holds, in memory, the
+credentials it was started with. A daemon that starts asks every live mount server for them
+over its control socket (root-only, in the state directory) and ``adopt``s them before it
+remounts anything, so a layer remounted after the restart (its mount server killed later)
+authenticates as before. Nothing is written to disk. What is still lost: credentials of
+images whose every mount server is gone too (a reboot, a pod deletion that kills them): such
+a remount fails with ``AuthError``, which the daemon logs and counts
+(``lazyblock_remount_failures_total{reason="auth"}``) and retries every
+``remount_interval``, until the kubelet pulls the image again or the node's docker config
+has them.
 """
 
 from __future__ import annotations
@@ -113,6 +120,16 @@ class Keychain:
             self._secrets[key] = secret
         log.info("CRI pull of %s: registry credentials recorded for %s/%s", image, *key)
         return key, previous
+
+    def adopt(self, host: str, repository: str, secret: Secret) -> bool:
+        """Take in credentials a mount server of ``host/repository`` was started with (a
+        restarted daemon's); a pull's, recorded since, win. Whether they were taken."""
+        key = (registry_host(host), repository)
+        with self._lock:
+            if key in self._secrets:
+                return False
+            self._secrets[key] = secret
+        return True
 
     def undo(self, token: tuple[tuple[str, str], Secret | None]) -> None:
         key, previous = token
