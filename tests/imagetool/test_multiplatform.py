@@ -32,7 +32,7 @@ from imagetool.format import (
     parse_platform_index,
 )
 from imagetool.platforms import Platform, default_platform, parse_platform_list
-from imagetool.stores import DirStore, parse_ref
+from imagetool.stores import DirStore, StoreOptions, open_store, parse_ref
 
 PLATFORMS = ("linux/amd64", "linux/arm64")
 
@@ -182,6 +182,11 @@ def test_registry_holds_a_real_image_index(two_platforms: str, registry, tmp_pat
             ).stdout
         )  # fmt: skip
         assert f"{config['os']}/{config['architecture']}" == platform
+    # The store sees the tag as the index (not followed), and follows it by platform.
+    with open_store(ref, StoreOptions(plain_http=True)) as store:
+        assert store.resolve_target(parse_ref(ref)) == (digest, PLATFORM_INDEX_MEDIA_TYPE)
+        arm_index = store.resolve_ref(parse_ref(ref), "linux/arm64")
+        assert Index.from_bytes(store.read_blob(arm_index)).platform == "linux/arm64"
     # The per-platform image by its manifest digest reads as that image.
     arm = doc["manifests"][1]["digest"]
     out = imagetool("--plain-http", "cat", f"docker://{registry.host}/multi/real@{arm}",
