@@ -183,7 +183,9 @@ class _Progress:
         if bar is None:
             for other in self.bars.values():
                 other.close()  # type: ignore[attr-defined]
-            desc = {"read": "reading layers", "pack": "compressing"}.get(stage, stage)
+            kind, _, platform = stage.partition(":")  # convert --platform all: per platform
+            desc = {"read": "reading layers", "pack": "compressing"}.get(kind, kind)
+            desc += f" ({platform})" if platform else ""
             bar = self.bars[stage] = tqdm(
                 total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 file=sys.stderr, dynamic_ncols=True,

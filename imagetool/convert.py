@@ -80,6 +80,8 @@ class ConvertResult:
 
 
 Progress = Callable[[str, int, int | None], None]  # (stage, bytes done delta, total)
+# An image index's entries for what is not an image to run (buildx's attestation manifests).
+UNKNOWN = "unknown"
 
 
 PROFILE_MAX_LINE = 4096  # PATH_MAX: no path in an image is longer
@@ -179,8 +181,8 @@ def convert_platforms(
         one = convert(source_spec, dest, replace(options, platform=single), progress)
         return MultiConvertResult(one.index_digest, ((single, one),), single=True)
     entries = [Platform.parse(p) for p in available]
-    if wanted is None:
-        chosen = [str(p) for p in entries]
+    if wanted is None:  # not buildx's attestations (unknown/unknown), as containerd skips them
+        chosen = [str(p) for p in entries if UNKNOWN not in (p.os, p.architecture)]
     else:
         picks = {str(select_platform(entries, lambda p: p, w, source_spec)) for w in wanted}
         chosen = [str(p) for p in entries if str(p) in picks]  # the source index's order
@@ -190,7 +192,7 @@ def convert_platforms(
         for platform in chosen:
             with open_source(source_spec, platform=platform, options=options.store) as source:
                 log.info("converting %s (%s)", platform, source.manifest_digest)
-                index = _convert_image(source, store, options, progress)
+                index = _convert_image(source, store, options, _per_platform(progress, platform))
             blob = index.to_blob()
             platform_entries.append(store.put_image(blob))
             images.append((platform, ConvertResult(sha256_digest(blob), index)))
@@ -198,6 +200,14 @@ def convert_platforms(
         log.info("published %s:%s as platform index %s (%s)", ref.name, ref.tag, digest,
                  ", ".join(chosen))  # fmt: skip
     return MultiConvertResult(digest, tuple(images))
+
+
+def _per_platform(progress: Progress | None, platform: str) -> Progress | None:
+    """Progress of one platform's conversion: stages named ``STAGE:PLATFORM``."""
+    if progress is None:
+        return None
+    report = progress
+    return lambda stage, n, total: report(f"{stage}:{platform}", n, total)
 
 
 def _check(dest: str, options: ConvertOptions) -> ImageRef:

@@ -111,6 +111,11 @@ def select_platform(manifests: list[Descriptor], want: Platform, what: str) -> D
     return _select(manifests, lambda d: Platform.from_json(d.platform), want, what)
 
 
+def _runnable(p: Platform | None) -> bool:
+    """Not an index's attestation entry (buildx's ``unknown/unknown``)."""
+    return p is not None and "unknown" not in (p.os, p.architecture)
+
+
 def index_platforms(manifests: list[Descriptor]) -> tuple[str, ...]:
     """The platforms of an index's entries, in its order, each once."""
     seen: dict[str, None] = {}
@@ -254,7 +259,8 @@ def resolve_manifest(
         if want is None:
             if not manifests:
                 raise NotFoundError(f"{what}: image index lists no images")
-            desc = manifests[0]
+            known = [d for d in manifests if _runnable(Platform.from_json(d.platform))]
+            desc = (known or manifests)[0]
         else:
             desc = select_platform(manifests, want, what)
         log.debug("%s: platform %s -> %s", what, want, desc.digest)

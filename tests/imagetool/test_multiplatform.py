@@ -18,8 +18,11 @@ import pytest
 from itool import imagetool
 from ocibuild import (
     TarEntry,
+    add_image,
+    add_index,
     make_layer_tar,
     push_to_registry,
+    tag_descriptor,
     write_multiplatform_layout,
     write_oci_layout,
 )
@@ -241,6 +244,21 @@ def test_source_index_from_a_registry(two_platforms: str, registry, tmp_path: Pa
     from_registry = _convert(source, f"{tmp_path}/store/app:v1", "all").out.strip()
     from_layout = _convert(two_platforms, f"{tmp_path}/store/app:v2", "all").out.strip()
     assert from_registry == from_layout
+
+
+def test_all_skips_attestations(two_platforms: str, tmp_path: Path) -> None:
+    """buildx's attestation manifests (platform unknown/unknown, in-toto layers) are not
+    images to run: ``all`` leaves them out, as containerd does."""
+    layout = tmp_path / "attested"
+    descs = [add_image(layout, _layers(p), platform=p) for p in PLATFORMS]
+    attestation = add_image(layout, [b'{"_type": "https://in-toto.io/Statement/v0.1"}'],
+                            media_types=["application/vnd.in-toto+json"],
+                            platform="unknown/unknown")  # fmt: skip
+    # first, so that even the probe of the index's platforms must pass it by
+    tag_descriptor(layout, add_index(layout, [attestation, *descs]), "v1")
+    attested = _convert(f"oci:{layout}:v1", f"{tmp_path}/store/app:v1", "all")
+    plain = _convert(two_platforms, f"{tmp_path}/store/app:v2", "all")
+    assert attested.out == plain.out and attested.err == plain.err
 
 
 def test_platform_lists() -> None:
