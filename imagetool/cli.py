@@ -79,7 +79,12 @@ def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> N
 @click.option("--sector-size", type=SizeType(), default="4MiB", show_default=True)
 @click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True,
               help="zstd compression level.")  # fmt: skip
-@click.option("--platform", help="os/arch[/variant] to pick from an image index.")
+@click.option(
+    "--platform",
+    help="os/arch[/variant] to pick from an image index (default: this machine's); 'all' "
+    "or a comma list (linux/amd64,linux/arm64) converts each platform into its own block "
+    "image and publishes an index of them as DEST.",
+)
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Paths in first-access order; their data is laid out first.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
@@ -117,19 +122,23 @@ def convert(
 ) -> None:
     """Convert SOURCE into a block image published as DEST; prints the index digest.
 
+    With --platform all (or a list), prints the digest of the index of platforms, and each
+    platform's image digest on stderr.
+
     \b
     SOURCE: oci:PATH[:TAG] | docker-archive:PATH | docker://HOST/REPO[:TAG]
     DEST:   STORE/NAME[:TAG], STORE = /dir | file:///dir | s3://bucket/prefix | docker://host
     """
-    from imagetool.convert import ConvertOptions, read_profile
+    from imagetool.convert import ConvertOptions, convert_platforms, read_profile
     from imagetool.convert import convert as do_convert
+    from imagetool.platforms import is_platform_list
 
     more = {"raw_saving": raw_saving} if raw_saving is not None else {}
     options = ConvertOptions(
         **more,
         sector_size=sector_size,
         level=level,
-        platform=platform,
+        platform=None if is_platform_list(platform) else platform,
         profile=read_profile(profile) if profile else (),
         workers=workers,
         format_version=int(format_version),
@@ -137,6 +146,16 @@ def convert(
         store=_store_options(ctx),
     )
     started = time.monotonic()
+    if is_platform_list(platform):
+        assert platform is not None
+        with _Progress(disabled=quiet) as progress:
+            multi = convert_platforms(source, dest, platform, options, progress=progress)
+        for name, image in multi.images:
+            click.echo(f"{name} {image.index_digest}", err=True)
+        if multi.single:
+            click.echo(f"{source} is one image, not an index: published it alone", err=True)
+        click.echo(multi.index_digest)
+        return
     with _Progress(disabled=quiet) as progress:
         result = do_convert(source, dest, options, progress=progress)
     idx = result.index
@@ -164,7 +183,9 @@ class _Progress:
         if bar is None:
             for other in self.bars.values():
                 other.close()  # type: ignore[attr-defined]
-            desc = {"read": "reading layers", "pack": "compressing"}.get(stage, stage)
+            kind, _, platform = stage.partition(":")  # convert --platform all: per platform
+            desc = {"read": "reading layers", "pack": "compressing"}.get(kind, kind)
+            desc += f" ({platform})" if platform else ""
             bar = self.bars[stage] = tqdm(
                 total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 file=sys.stderr, dynamic_ncols=True,
@@ -183,12 +204,15 @@ class _Progress:
 @click.argument("ref")
 @click.option("--index", "whole_index", is_flag=True,
               help="Print the whole index (its canonical JSON, uncompressed) instead.")  # fmt: skip
+@click.option("--platform", help="os/arch[/variant] to read from a multi-platform image "
+              "(default: this machine's).")  # fmt: skip
 @click.pass_context
-def inspect(ctx: click.Context, ref: str, whole_index: bool) -> None:
-    """Print a JSON summary of a block image."""
+def inspect(ctx: click.Context, ref: str, whole_index: bool, platform: str | None) -> None:
+    """Print a JSON summary of a block image (of a multi-platform image: this machine's
+    platform's, or --platform's)."""
     from imagetool.image import open_image
 
-    with open_image(ref, _store_options(ctx)) as img:
+    with open_image(ref, _store_options(ctx), platform) as img:
         idx = img.index
         if whole_index:
             click.echo(idx.to_bytes().decode())
@@ -238,12 +262,14 @@ def _summary(ref: str, digest: str, idx) -> dict:  # noqa: ANN001
 @click.argument("ref")
 @click.argument("path", default="/")
 @click.option("-R", "--recursive", is_flag=True, help="List subdirectories too.")
+@click.option("--platform", help="os/arch[/variant] to read from a multi-platform image "
+              "(default: this machine's).")  # fmt: skip
 @click.pass_context
-def ls_cmd(ctx: click.Context, ref: str, path: str, recursive: bool) -> None:
+def ls_cmd(ctx: click.Context, ref: str, path: str, recursive: bool, platform: str | None) -> None:
     """List a directory of the image (like ls -l), read through the index."""
     from imagetool.image import open_image
 
-    with open_image(ref, _store_options(ctx)) as img:
+    with open_image(ref, _store_options(ctx), platform) as img:
         fs = img.image.filesystem()
         node = fs.lookup(_abs(path))
         if not stat.S_ISDIR(node.mode):
@@ -277,12 +303,14 @@ def _ls_line(fs, inode, name: str) -> str:  # noqa: ANN001
 @cli.command()
 @click.argument("ref")
 @click.argument("path")
+@click.option("--platform", help="os/arch[/variant] to read from a multi-platform image "
+              "(default: this machine's).")  # fmt: skip
 @click.pass_context
-def cat(ctx: click.Context, ref: str, path: str) -> None:
+def cat(ctx: click.Context, ref: str, path: str, platform: str | None) -> None:
     """Write a file of the image to stdout (symlinks inside the image are followed)."""
     from imagetool.image import open_image
 
-    with open_image(ref, _store_options(ctx)) as img:
+    with open_image(ref, _store_options(ctx), platform) as img:
         fs = img.image.filesystem()
         inode = _follow(fs, _abs(path))
         if not stat.S_ISREG(inode.mode):
@@ -323,14 +351,16 @@ def _follow(fs, path: str, limit: int = 40):  # noqa: ANN001, ANN202
 @cli.command()
 @click.argument("ref")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--platform", help="os/arch[/variant] to read from a multi-platform image "
+              "(default: this machine's).")  # fmt: skip
 @click.pass_context
-def raw(ctx: click.Context, ref: str, out: Path) -> None:
+def raw(ctx: click.Context, ref: str, out: Path, platform: str | None) -> None:
     """Write the uncompressed filesystem image to OUT (for fsck.erofs or a loop mount)."""
     from imagetool.image import open_image
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        with open_image(ref, _store_options(ctx)) as img, open(tmp, "wb") as f:
+        with open_image(ref, _store_options(ctx), platform) as img, open(tmp, "wb") as f:
             for n, data in img.image.iter_all():
                 if img.index.sectors[n].is_zero:
                     f.seek(len(data), os.SEEK_CUR)  # leave a hole
@@ -347,7 +377,8 @@ def raw(ctx: click.Context, ref: str, out: Path) -> None:
 @cli.command()
 @click.argument("ref")
 @click.option("--against", "source", help="Source image to compare every file with.")
-@click.option("--platform", help="os/arch[/variant] of the source to compare with.")
+@click.option("--platform", help="os/arch[/variant] to read from a multi-platform image "
+              "(default: this machine's), and of the source to compare with.")  # fmt: skip
 @click.pass_context
 def verify(ctx: click.Context, ref: str, source: str | None, platform: str | None) -> None:
     """Check every sector's checksum, and with --against every file against the source."""
@@ -357,7 +388,7 @@ def verify(ctx: click.Context, ref: str, source: str | None, platform: str | Non
 
     options = _store_options(ctx)
     report = VerifyReport()
-    with open_image(ref, options) as img:
+    with open_image(ref, options, platform) as img:
         verify_sectors(img.image, report)
         if source:
             with open_source(source, platform=platform or img.index.platform or None,

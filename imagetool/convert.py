@@ -12,6 +12,10 @@ Pipeline, each stage streaming:
    layers, are not sent again), then publish the index under the tag: the one commit point.
    A failure anywhere before it leaves no index behind, only unreferenced temporary files,
    which are removed.
+
+``convert_platforms`` does this for several platforms of a source's image index (``convert
+--platform all`` or a comma list), storing each platform's image untagged, then publishes a
+platform index naming them under the tag, the commit point there (``imagetool.format``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from imagetool.erofs.writer import plan_erofs, plan_erofs_regions
-from imagetool.errors import FormatError, ProfileError
+from imagetool.errors import FormatError, NotFoundError, ProfileError
 from imagetool.format import (
     BLOB_MEDIA_TYPE,
     DEFAULT_RAW_SAVING,
@@ -35,12 +39,14 @@ from imagetool.format import (
     FileExtent,
     Index,
     check_sector_size,
+    sha256_digest,
 )
 from imagetool.pack import iter_sectors, pack
+from imagetool.platforms import Platform, parse_platform_list, select_platform
 from imagetool.readahead import ReadAhead
-from imagetool.sources import SourceImage, open_source
-from imagetool.stores import open_store, parse_ref
-from imagetool.stores.base import StoreOptions
+from imagetool.sources import ANY_PLATFORM, SourceImage, open_source
+from imagetool.stores import ImageRef, open_store, parse_ref
+from imagetool.stores.base import Store, StoreOptions
 from imagetool.tree import ContentSink, SpoolSink, Tree, apply_layer
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,8 @@ class ConvertResult:
 
 
 Progress = Callable[[str, int, int | None], None]  # (stage, bytes done delta, total)
+# An image index's entries for what is not an image to run (buildx's attestation manifests).
+UNKNOWN = "unknown"
 
 
 PROFILE_MAX_LINE = 4096  # PATH_MAX: no path in an image is longer
@@ -117,6 +125,93 @@ def convert(
     options: ConvertOptions = ConvertOptions(),
     progress: Progress | None = None,
 ) -> ConvertResult:
+    """Convert one platform image of ``source_spec`` (``options.platform``, default the
+    running machine's) and publish it as ``dest``."""
+    ref = _check(dest, options)
+    with (
+        open_store(ref, options.store) as store,
+        open_source(source_spec, platform=options.platform, options=options.store) as source,
+    ):
+        index = _convert_image(source, store, options, progress)
+        digest = store.publish(ref.tag or "latest", index.to_blob())
+        log.info("published %s:%s as %s", ref.name, ref.tag, digest)
+        return ConvertResult(digest, index)
+
+
+@dataclass(frozen=True)
+class MultiConvertResult:
+    """A multi-platform conversion: the platform index's digest (a registry's image index
+    manifest digest) and each platform's image, in the index's order."""
+
+    index_digest: str
+    images: tuple[tuple[str, ConvertResult], ...]  # (platform, its image)
+    single: bool = False  # the source is one image, published as it is (no platform index)
+
+
+def convert_platforms(
+    source_spec: str,
+    dest: str,
+    platforms: str,
+    options: ConvertOptions = ConvertOptions(),
+    progress: Progress | None = None,
+) -> MultiConvertResult:
+    """Convert several platforms of a source's image index (``platforms``: ``all`` or a
+    comma list of ``os/arch[/variant]``), each into its own block image, and publish a
+    platform index naming them as ``dest`` (``imagetool.format``). Every platform asked
+    for must be in the source (``NotFoundError`` before anything is converted); the index
+    is published last, once every image is stored, so a failure publishes nothing under the
+    tag. A source that is one image, not an index, is converted as that one image with
+    ``all`` (published as an ordinary block image, ``single``); a list must name its
+    platform."""
+    wanted = parse_platform_list(platforms)
+    ref = _check(dest, options)
+    with open_source(source_spec, platform=ANY_PLATFORM, options=options.store) as probe:
+        available = list(probe.index_platforms)
+        single = None if available else probe.platform
+    if single is not None:  # not an index: its one image
+        if wanted is not None and (
+            len(wanted) != 1 or not wanted[0].matches(Platform.parse(single))
+        ):
+            raise NotFoundError(
+                f"{source_spec} is one image for {single}, not an index of "
+                f"{', '.join(map(str, wanted))}"
+            )
+        log.warning("%s is one image (%s), not an image index: converting it alone",
+                    source_spec, single)  # fmt: skip
+        one = convert(source_spec, dest, replace(options, platform=single), progress)
+        return MultiConvertResult(one.index_digest, ((single, one),), single=True)
+    entries = [Platform.parse(p) for p in available]
+    if wanted is None:  # not buildx's attestations (unknown/unknown), as containerd skips them
+        chosen = [str(p) for p in entries if UNKNOWN not in (p.os, p.architecture)]
+    else:
+        picks = {str(select_platform(entries, lambda p: p, w, source_spec)) for w in wanted}
+        chosen = [str(p) for p in entries if str(p) in picks]  # the source index's order
+    images: list[tuple[str, ConvertResult]] = []
+    platform_entries = []
+    with open_store(ref, options.store) as store:
+        for platform in chosen:
+            with open_source(source_spec, platform=platform, options=options.store) as source:
+                log.info("converting %s (%s)", platform, source.manifest_digest)
+                index = _convert_image(source, store, options, _per_platform(progress, platform))
+            blob = index.to_blob()
+            platform_entries.append(store.put_image(blob))
+            images.append((platform, ConvertResult(sha256_digest(blob), index)))
+        digest = store.publish_index(ref.tag or "latest", platform_entries)
+        log.info("published %s:%s as platform index %s (%s)", ref.name, ref.tag, digest,
+                 ", ".join(chosen))  # fmt: skip
+    return MultiConvertResult(digest, tuple(images))
+
+
+def _per_platform(progress: Progress | None, platform: str) -> Progress | None:
+    """Progress of one platform's conversion: stages named ``STAGE:PLATFORM``."""
+    if progress is None:
+        return None
+    report = progress
+    return lambda stage, n, total: report(f"{stage}:{platform}", n, total)
+
+
+def _check(dest: str, options: ConvertOptions) -> ImageRef:
+    """The destination reference, and the options checked, before anything is read."""
     check_sector_size(options.sector_size)
     if options.format_version not in FORMAT_VERSIONS:
         raise FormatError(f"no block image format version {options.format_version}")
@@ -127,11 +222,15 @@ def convert(
         from imagetool.errors import InvalidReferenceError
 
         raise InvalidReferenceError(f"destination must name a tag, not a digest: {dest}")
-    with (
-        open_store(ref, options.store) as store,
-        open_source(source_spec, platform=options.platform, options=options.store) as source,
-        tempfile.TemporaryDirectory(prefix="lazyblock-convert-", dir=options.tmpdir) as tmp,
-    ):
+    return ref
+
+
+def _convert_image(
+    source: SourceImage, store: Store, options: ConvertOptions, progress: Progress | None
+) -> Index:
+    """Convert one source image and store its data blobs; returns its index (not stored:
+    the caller publishes it under a tag or in a platform index)."""
+    with tempfile.TemporaryDirectory(prefix="lazyblock-convert-", dir=options.tmpdir) as tmp:
         work = Path(tmp)
         with open(work / "spool", "w+b") as spool:
             sink = SpoolSink(spool)
@@ -178,9 +277,7 @@ def convert(
         )
         for blob in packed.blobs:
             store.put_blob(blob.digest, blob.path, BLOB_MEDIA_TYPE)
-        digest = store.publish(ref.tag or "latest", index.to_blob())
-        log.info("published %s:%s as %s", ref.name, ref.tag, digest)
-        return ConvertResult(digest, index)
+        return index
 
 
 def _prefetch_order(

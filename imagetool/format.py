@@ -81,6 +81,28 @@ The index is stored as that document compressed into one zstd frame (media type
 MB of JSON is 1.1 MB), and named by the sha256 of the stored bytes. Readers also accept it
 uncompressed (``INDEX_JSON_MEDIA_TYPE``, what images written before compression carry).
 
+Multi-platform block images (``imagetool convert --platform all`` or ``os/arch,os/arch``):
+one block image per platform, as above, and a *platform index* naming them, an OCI image
+index (``PLATFORM_INDEX_MEDIA_TYPE``, canonical JSON, written by ``platform_index_bytes``)::
+
+    {"manifests": [{"digest": "sha256:...", "mediaType": "...", "size": <bytes>,
+                    "platform": {"architecture": "amd64", "os": "linux"}}, ...],
+     "mediaType": "application/vnd.oci.image.index.v1+json", "schemaVersion": 2}
+
+with one entry per platform, in the order of the source's index. In an OCI registry it is
+an ordinary image index whose entries are the block images' manifests
+(``imagetool.stores.registry``), what containerd and the kubelet resolve by platform. In a
+directory or S3 store its entries are the block images' indexes (``INDEX_MEDIA_TYPE``), it
+is stored as a blob like them, and the tag's ref names it with its media type after the
+digest (``sha256:<hex> application/vnd.oci.image.index.v1+json``; a block image's ref is the
+digest alone): the per-platform images have no tag of their own, a platform index names
+them by digest. The index is written last, once every platform's image is stored, so a
+reader never sees a platform index naming an image that is not there. Readers resolve a
+reference to a platform index to one block image, the running machine's platform unless
+told another (``imagetool.platforms``, containerd's matching), in the one place that
+resolves references, ``Store.resolve_ref``. Readers older than platform indexes report such
+a tag as corrupt (directory, S3) or as a multi-platform index (registry).
+
 The checksum is always over the *uncompressed* bytes of the sector. Blobs are named by the
 sha256 of their bytes. Readers never return bytes that ``Index.decode_sector`` (or
 ``decode_sector_into``, ``verify_raw``) has not verified.
@@ -103,6 +125,7 @@ import xxhash
 import zstandard
 
 from imagetool.errors import ChecksumError, FormatError
+from imagetool.platforms import Platform
 
 FORMAT_VERSION = 2  # what the converter writes
 FORMAT_VERSIONS = (1, 2)  # what readers read
@@ -148,6 +171,77 @@ ANNOTATION_INDEX_DIGEST = "dev.lazyblock.index.digest"
 ANNOTATION_BLOB_DIGEST = "dev.lazyblock.blob.digest"  # the data blobs' digests, comma-separated
 ANNOTATION_BLOB_ROLE = "dev.lazyblock.blob.role"  # a data blob's Blob.role
 ANNOTATION_SOURCE_LAYER = "dev.lazyblock.source.layer"  # a data blob's Blob.layer
+# A multi-platform block image's index of per-platform images: an OCI image index.
+PLATFORM_INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
+# A platform index larger than this is refused (an entry is about 200 bytes).
+MAX_PLATFORM_INDEX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PlatformEntry:
+    """One image of a platform index: the block image's index (directory, S3) or manifest
+    (registry), and its platform."""
+
+    media_type: str
+    digest: str
+    size: int
+    platform: Platform
+
+
+def platform_index_bytes(entries: Sequence[PlatformEntry]) -> bytes:
+    """A platform index (deterministic bytes: canonical JSON, entries in the given order)."""
+    if not entries:
+        raise FormatError("a platform index needs at least one image")
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": PLATFORM_INDEX_MEDIA_TYPE,
+        "manifests": [
+            {"mediaType": e.media_type, "digest": check_digest(e.digest), "size": e.size,
+             "platform": e.platform.to_json()}
+            for e in entries
+        ],
+    }  # fmt: skip
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_platform_index(data: bytes, where: str) -> list[PlatformEntry]:
+    """The entries of a platform index (or of any OCI image index: entries without a
+    platform or a sha256 digest are left out); ``FormatError`` if it is not an index."""
+    if len(data) > MAX_PLATFORM_INDEX_BYTES:
+        raise FormatError(f"{where}: image index of {len(data)} bytes is too large")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise FormatError(f"{where}: image index is not valid JSON") from None
+    manifests = doc.get("manifests") if isinstance(doc, dict) else None
+    if not isinstance(manifests, list):
+        raise FormatError(f"{where}: not an image index (no manifests list)")
+    out = []
+    for m in manifests:
+        if not isinstance(m, dict):
+            continue
+        platform = Platform.from_json(m.get("platform"))
+        digest, size = m.get("digest"), m.get("size")
+        if platform is None or not isinstance(digest, str) or not isinstance(size, int):
+            continue
+        try:
+            check_digest(digest)
+        except FormatError:
+            continue
+        out.append(PlatformEntry(str(m.get("mediaType") or ""), digest, size, platform))
+    return out
+
+
+def is_platform_index(data: bytes) -> bool:
+    """Whether a stored blob is a platform index rather than a block image's index (which
+    is zstd or a JSON document with a ``version``)."""
+    if data[:4] == _ZSTD_MAGIC or len(data) > MAX_PLATFORM_INDEX_BYTES:
+        return False
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("manifests"), list)
 
 
 def sha256_digest(data: bytes) -> str:

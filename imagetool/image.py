@@ -109,12 +109,15 @@ class OpenedImage:
         self.close()
 
 
-def open_image(ref_text: str, options: StoreOptions = StoreOptions()) -> OpenedImage:
-    """Resolve a reference, fetch and verify its index."""
+def open_image(
+    ref_text: str, options: StoreOptions = StoreOptions(), platform: str | None = None
+) -> OpenedImage:
+    """Resolve a reference, fetch and verify its index. A multi-platform image resolves to
+    ``platform``'s image (default: the running machine's; ``Store.resolve_ref``)."""
     ref = parse_ref(ref_text)
     store = open_store(ref, options)
     try:
-        digest = store.resolve_ref(ref)
+        digest = store.resolve_ref(ref, platform)
         index = Index.from_bytes(store.read_blob(digest))
         for blob in index.blobs:
             if store.blob_size(blob.digest) != blob.size:

@@ -533,6 +533,28 @@ def build_with_umoci(
     _umoci("gc", "--layout", path)
 
 
+def index_of_tags(path: Path, images: dict[str, str], tag: str) -> str:
+    """Tag ``tag`` in the layout at ``path`` as an OCI image index over images already
+    there ("os/arch[/variant]" -> their tag, e.g. built by ``build_with_umoci`` with
+    ``architecture``), each entry with its platform; returns the index digest."""
+    path = Path(path)
+    entries = json.loads((path / "index.json").read_text())["manifests"]
+    by_tag = {e.get("annotations", {}).get(REF_NAME): e for e in entries}
+    descs = []
+    for plat, image_tag in images.items():
+        os_, arch, *variant = plat.split("/")
+        desc = {k: v for k, v in by_tag[image_tag].items() if k != "annotations"}
+        desc["platform"] = {
+            "os": os_,
+            "architecture": arch,
+            **({"variant": variant[0]} if variant else {}),
+        }
+        descs.append(desc)
+    index = add_index(path, descs)
+    tag_descriptor(path, index, tag)
+    return index["digest"]
+
+
 def unpack_with_umoci(oci_path: Path, tag: str, dest: Path) -> Path:
     """Unpack an image with umoci into the bundle ``dest`` (must not exist); returns its
     rootfs directory."""

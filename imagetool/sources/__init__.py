@@ -12,7 +12,20 @@ that does not exist is ``NotFoundError``; a blob an image refers to but its sour
 ``MissingBlobError``, which is both; an unparsable spec is ``InvalidReferenceError``.
 """
 
-from imagetool.sources._image import Layer, MissingBlobError, SourceImage, default_platform
+from imagetool.sources._image import (
+    ANY_PLATFORM,
+    Layer,
+    MissingBlobError,
+    SourceImage,
+    default_platform,
+)
 from imagetool.sources._spec import open_source
 
-__all__ = ["Layer", "MissingBlobError", "SourceImage", "default_platform", "open_source"]
+__all__ = [
+    "ANY_PLATFORM",
+    "Layer",
+    "MissingBlobError",
+    "SourceImage",
+    "default_platform",
+    "open_source",
+]

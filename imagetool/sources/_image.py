@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform as _platform
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -21,11 +20,12 @@ from typing import Any, BinaryIO
 
 from imagetool.errors import (
     DigestMismatchError,
-    InvalidReferenceError,
     InvalidSourceError,
     NotFoundError,
     UnsupportedMediaTypeError,
 )
+from imagetool.platforms import Platform, default_platform
+from imagetool.platforms import select_platform as _select
 from imagetool.sources import _media
 from imagetool.sources._stream import HASH_ALGORITHMS, LayerStream
 
@@ -106,83 +106,23 @@ class Descriptor:
         )
 
 
-@dataclass(frozen=True)
-class Platform:
-    os: str
-    architecture: str
-    variant: str | None = None
-
-    def __str__(self) -> str:
-        parts = [self.os, self.architecture] + ([self.variant] if self.variant else [])
-        return "/".join(parts)
-
-    @classmethod
-    def parse(cls, text: str) -> Platform:
-        """``os/arch[/variant]``; architecture aliases (x86_64, aarch64) are normalised."""
-        parts = text.strip().lower().split("/")
-        if len(parts) not in (2, 3) or not all(parts):
-            raise InvalidReferenceError(f"invalid platform {text!r}: expected os/arch[/variant]")
-        return cls.of(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
-
-    @classmethod
-    def of(cls, os: Any, arch: Any, variant: Any = None) -> Platform:
-        arch = str(arch or "").lower()
-        arch = _ARCH_ALIASES.get(arch, arch)
-        return cls(str(os or "").lower(), arch, str(variant).lower() if variant else None)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any] | None) -> Platform | None:
-        if not doc:
-            return None
-        return cls.of(doc.get("os"), doc.get("architecture"), doc.get("variant"))
-
-    def matches(self, other: Platform) -> bool:
-        """Whether ``other`` (an image's platform) satisfies this (a wanted platform). A
-        wanted platform without a variant accepts any variant; arm64 means arm64/v8."""
-        if (self.os, self.architecture) != (other.os, other.architecture):
-            return False
-        if self.variant is None:
-            return True
-        if self.architecture == "arm64":
-            return (self.variant or "v8") == (other.variant or "v8")
-        return self.variant == other.variant
-
-
-_ARCH_ALIASES = {"x86_64": "amd64", "x86-64": "amd64", "aarch64": "arm64", "i386": "386"}
-_MACHINE_PLATFORMS = {
-    "x86_64": ("amd64", None),
-    "amd64": ("amd64", None),
-    "aarch64": ("arm64", None),
-    "arm64": ("arm64", None),
-    "armv7l": ("arm", "v7"),
-    "armv6l": ("arm", "v6"),
-    "i686": ("386", None),
-    "i386": ("386", None),
-    "ppc64le": ("ppc64le", None),
-    "s390x": ("s390x", None),
-    "riscv64": ("riscv64", None),
-}
-
-
-def default_platform() -> str:
-    """The platform of the running machine, as other tools pick it (``linux/amd64`` on x86)."""
-    machine = _platform.machine().lower()
-    arch, variant = _MACHINE_PLATFORMS.get(machine, (machine, None))
-    return str(Platform("linux", arch, variant))
-
-
 def select_platform(manifests: list[Descriptor], want: Platform, what: str) -> Descriptor:
-    """The index entry for ``want``; an exact variant match wins over a looser one."""
-    candidates = [
-        (d, p) for d in manifests if (p := Platform.from_json(d.platform)) and want.matches(p)
-    ]
-    if candidates:
-        exact = [d for d, p in candidates if p.variant == want.variant]
-        return (exact or [d for d, _ in candidates])[0]
-    available = sorted({str(p) for d in manifests if (p := Platform.from_json(d.platform))})
-    raise NotFoundError(
-        f"{what}: no image for platform {want}; available: {', '.join(available) or 'none'}"
-    )
+    """The index entry for ``want`` (``imagetool.platforms.select_platform``)."""
+    return _select(manifests, lambda d: Platform.from_json(d.platform), want, what)
+
+
+def _runnable(p: Platform | None) -> bool:
+    """Not an index's attestation entry (buildx's ``unknown/unknown``)."""
+    return p is not None and "unknown" not in (p.os, p.architecture)
+
+
+def index_platforms(manifests: list[Descriptor]) -> tuple[str, ...]:
+    """The platforms of an index's entries, in its order, each once."""
+    seen: dict[str, None] = {}
+    for d in manifests:
+        if (p := Platform.from_json(d.platform)) is not None:
+            seen.setdefault(str(p))
+    return tuple(seen)
 
 
 # --- layers and images -----------------------------------------------------------------------
@@ -206,6 +146,9 @@ class SourceImage(ABC):
     config: dict[str, Any]
     platform: str
     layers: list[Layer]
+    # The platforms of the image index this image was picked from, in its order (empty when
+    # the source is a single image).
+    index_platforms: tuple[str, ...] = ()
 
     @contextmanager
     def open_layer(self, layer: Layer) -> Iterator[BinaryIO]:
@@ -286,26 +229,40 @@ def manifest_kind(media_type: str, doc: dict[str, Any], what: str) -> str:
 FetchManifest = Callable[[Descriptor], tuple[bytes, str]]
 
 
+# ``open_source(platform=ANY_PLATFORM)``: whichever image an index lists first (to learn the
+# index's platforms, ``SourceImage.index_platforms``), with no check of the image's config.
+ANY_PLATFORM = "*"
+
+
 def resolve_manifest(
     top: Descriptor, fetch: FetchManifest, platform: str | None, what: str
-) -> tuple[Descriptor, dict[str, Any]]:
-    """Follow ``top`` through image indexes to one image manifest; returns its descriptor
-    and document. With an index, ``platform`` (default: the running machine) picks the entry;
+) -> tuple[Descriptor, dict[str, Any], tuple[str, ...]]:
+    """Follow ``top`` through image indexes to one image manifest; returns its descriptor,
+    its document and the platforms of the index it was picked from (empty for a single
+    manifest). With an index, ``platform`` (default: the running machine) picks the entry;
     a single manifest's platform is checked later against its config."""
-    want = Platform.parse(platform or default_platform())
+    want = None if platform == ANY_PLATFORM else Platform.parse(platform or default_platform())
     desc = top
+    platforms: tuple[str, ...] = ()
     for _ in range(MAX_INDEX_DEPTH):
         body, media_type = fetch(desc)
         name = f"{what}: manifest {desc.digest}"
         doc = parse_json(body, name)
         kind = manifest_kind(media_type or desc.media_type, doc, name)
         if kind == "manifest":
-            return desc, doc
+            return desc, doc, platforms
         entries = doc.get("manifests")
         if not isinstance(entries, list):
             raise InvalidSourceError(f"{name}: index has no manifests list")
         manifests = [Descriptor.from_json(m, name) for m in entries]
-        desc = select_platform(manifests, want, what)
+        platforms = index_platforms(manifests)
+        if want is None:
+            if not manifests:
+                raise NotFoundError(f"{what}: image index lists no images")
+            known = [d for d in manifests if _runnable(Platform.from_json(d.platform))]
+            desc = (known or manifests)[0]
+        else:
+            desc = select_platform(manifests, want, what)
         log.debug("%s: platform %s -> %s", what, want, desc.digest)
     raise InvalidSourceError(f"{what}: image indexes nested more than {MAX_INDEX_DEPTH} deep")
 
@@ -354,6 +311,8 @@ def config_platform(config: dict[str, Any], wanted: str | None, what: str) -> st
     got = Platform.of(config.get("os"), config.get("architecture"), config.get("variant"))
     if not got.os or not got.architecture:
         raise InvalidSourceError(f"{what}: config does not name os and architecture")
+    if wanted == ANY_PLATFORM:
+        return str(got)
     want = Platform.parse(wanted or default_platform())
     if not want.matches(got):
         if wanted:

@@ -61,7 +61,9 @@ class OciLayoutSource(SourceImage):
         if version != "1.0.0":
             log.warning("%s: unknown imageLayoutVersion %r", spec, version)
         top = self._pick_entry(tag)
-        desc, manifest = resolve_manifest(top, self._fetch_manifest, platform, spec)
+        desc, manifest, self.index_platforms = resolve_manifest(
+            top, self._fetch_manifest, platform, spec
+        )
         self.manifest_digest = desc.digest
         self.config, self.platform, self.layers = image_from_manifest(
             manifest, self._read_document, platform, spec

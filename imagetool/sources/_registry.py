@@ -98,7 +98,7 @@ class RegistrySource(SourceImage):
                     fetched[desc.digest] = (data, mt)
                 return fetched[desc.digest]
 
-            desc, manifest = resolve_manifest(top, fetch, platform, spec)
+            desc, manifest, self.index_platforms = resolve_manifest(top, fetch, platform, spec)
             self.manifest_digest = desc.digest
             self.config, self.platform, self.layers = image_from_manifest(
                 manifest, self._read_document, platform, spec

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from imagetool.errors import InvalidReferenceError
-from imagetool.sources._image import Platform, SourceImage
+from imagetool.platforms import Platform
+from imagetool.sources._image import ANY_PLATFORM, SourceImage
 from imagetool.stores.base import StoreOptions
 
 # StoreOptions is frozen, so one shared default is safe.
@@ -18,9 +19,11 @@ def open_source(
 
     ``platform`` ("os/arch[/variant]") picks the image from a multi-platform index; the
     default is the running machine's (linux/amd64 on x86). Given explicitly, it must also
-    match a single-platform image's config. ``options`` are used by the registry source.
+    match a single-platform image's config; ``ANY_PLATFORM`` takes an index's first image
+    (``SourceImage.index_platforms`` then lists them all). ``options`` are used by the
+    registry source.
     """
-    if platform is not None:
+    if platform is not None and platform != ANY_PLATFORM:
         Platform.parse(platform)  # fail early on a malformed platform
     transport, sep, rest = spec.partition(":")
     if not sep or not rest:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from imagetool.errors import DigestMismatchError, NotFoundError, StoreError
-from imagetool.format import Index, check_digest
+from imagetool.format import PLATFORM_INDEX_MEDIA_TYPE, Index, check_digest
 from imagetool.stores.refs import check_tag
 
 if TYPE_CHECKING:
@@ -50,21 +50,43 @@ def verify_source(digest: str, source: Path | bytes, where: str) -> None:
         raise DigestMismatchError(f"{where}: content hashes to {actual}, not {digest}")
 
 
-def check_publishable(store: Store, tag: str, index_bytes: bytes) -> Index:
-    """Validate a publish: a good tag, a well-formed index, its data blobs present in full."""
-    check_tag(tag)
+def check_publishable(store: Store, tag: str | None, index_bytes: bytes) -> Index:
+    """Validate a publish: a good tag (None: an untagged image, ``Store.put_image``), a
+    well-formed index, its data blobs present in full."""
+    if tag is not None:
+        check_tag(tag)
     index = Index.from_bytes(index_bytes)
+    what = f"{store.name}:{tag}" if tag is not None else f"the {index.platform} image"
     for blob in index.blobs:
         try:
             size = store.blob_size(blob.digest)
         except NotFoundError:
             raise NotFoundError(
-                f"{store.url}: cannot publish {store.name}:{tag}: data blob {blob.digest} "
+                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
                 "is not in the store (put it first)"
             ) from None
         if size != blob.size:
             raise StoreError(
-                f"{store.url}: cannot publish {store.name}:{tag}: data blob {blob.digest} "
+                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
                 f"has {size} bytes, the index says {blob.size}"
             )
     return index
+
+
+def ref_line(digest: str, media_type: str = "") -> bytes:
+    """A directory or S3 store's ref: the digest, then a platform index's media type."""
+    return f"{digest} {media_type}\n".encode() if media_type else f"{digest}\n".encode()
+
+
+def parse_ref_line(text: str, where: str) -> tuple[str, str]:
+    """(digest, media type) of a ref (``ref_line``); ``StoreError`` if it is neither."""
+    parts = text.split()
+    try:
+        digest = check_digest(parts[0] if parts else "")
+    except ValueError:
+        raise StoreError(f"{where} is corrupt") from None
+    if len(parts) == 1:
+        return digest, ""
+    if len(parts) == 2 and parts[1] == PLATFORM_INDEX_MEDIA_TYPE:
+        return digest, parts[1]
+    raise StoreError(f"{where} is corrupt (or written by a newer imagetool)")

@@ -7,6 +7,11 @@ registry, one repository); blobs may be shared between names where the backend a
 
 Publishing is ordered so that a reader never sees a half-written image: blobs first (each
 written under a temporary name and moved into place, or verified by the server), the tag last.
+A multi-platform image is each platform's image stored untagged (``put_image``), then a
+platform index naming them under the tag (``publish_index``, ``imagetool.format``);
+``resolve_ref`` resolves a reference to one to the image for a platform, the running
+machine's by default: the one place readers (``imagetool.image``, the snapshotter's mounts)
+pick a platform.
 Backend errors are mapped to ``imagetool.errors`` inside each backend.
 """
 
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from imagetool.format import PlatformEntry
     from imagetool.registry.hosts import HostsConfig
     from imagetool.stores.refs import ImageRef
 
@@ -145,6 +151,9 @@ class Store(ABC):
         from imagetool.errors import DigestMismatchError
         from imagetool.format import sha256_digest
 
+        memo = self.__dict__.pop("_read_memo", None)
+        if memo is not None and memo[0] == digest:
+            return memo[1]  # read (and verified) by resolve_ref a moment ago
         data = self.read_range(digest, 0, self.blob_size(digest))
         if sha256_digest(data) != digest:
             raise DigestMismatchError(f"blob {digest} in {self.url} does not match its digest")
@@ -174,18 +183,104 @@ class Store(ABC):
     @abstractmethod
     def list_tags(self) -> list[str]: ...
 
-    def resolve_ref(self, ref: ImageRef) -> str:
-        """The index digest a reference names: its digest (checked to be present) or its tag.
+    def resolve_ref(self, ref: ImageRef, platform: str | None = None) -> str:
+        """The index digest of the block image a reference names: its digest (checked to be
+        present) or its tag's. A reference to a multi-platform image (a platform index)
+        resolves to the image for ``platform`` (``os/arch[/variant]``; default: the running
+        machine's), or ``NotFoundError`` listing the platforms it has.
 
         Backends whose references carry another kind of digest (a registry's manifest
         digest) override this."""
+        from imagetool.format import PLATFORM_INDEX_MEDIA_TYPE
+
+        digest, media_type = self.resolve_target(ref)
+        if media_type != PLATFORM_INDEX_MEDIA_TYPE:
+            return digest
+        return self._platform_image(digest, platform, str(ref))
+
+    def resolve_target(self, ref: ImageRef) -> tuple[str, str]:
+        """(digest, media type) of what a reference names, a platform index not followed:
+        a block image's index (media type "") or a platform index
+        (``format.PLATFORM_INDEX_MEDIA_TYPE``)."""
         from imagetool.errors import NotFoundError
+        from imagetool.format import (
+            MAX_PLATFORM_INDEX_BYTES,
+            PLATFORM_INDEX_MEDIA_TYPE,
+            is_platform_index,
+        )
 
         if ref.digest is None:
-            return self.resolve(ref.tag or "latest")
-        if not self.has_blob(ref.digest):
-            raise NotFoundError(f"index {ref.digest} not found in {self.url}")
-        return ref.digest
+            return self.resolve_tag(ref.tag or "latest")
+        try:
+            size = self.blob_size(ref.digest)
+        except NotFoundError:
+            raise NotFoundError(f"index {ref.digest} not found in {self.url}") from None
+        if size <= MAX_PLATFORM_INDEX_BYTES:  # a digest may name either: look (and keep it)
+            data = self.read_blob(ref.digest)
+            self.__dict__["_read_memo"] = (ref.digest, data)
+            if is_platform_index(data):
+                return ref.digest, PLATFORM_INDEX_MEDIA_TYPE
+        return ref.digest, ""
+
+    def resolve_tag(self, tag: str) -> tuple[str, str]:
+        """(digest, media type) of what ``name:tag`` points to (see ``resolve_target``).
+        Backends that store platform indexes override this."""
+        return self.resolve(tag), ""
+
+    def _platform_image(self, digest: str, platform: str | None, where: str) -> str:
+        """The index digest of ``platform``'s image in the platform index ``digest``."""
+        from imagetool.errors import FormatError
+        from imagetool.format import INDEX_MEDIA_TYPES, parse_platform_index
+        from imagetool.platforms import Platform, default_platform, select_platform
+
+        entries = parse_platform_index(self.read_blob(digest), where)
+        want = Platform.parse(platform or default_platform())
+        entry = select_platform(entries, lambda e: e.platform, want, where)
+        if entry.media_type not in INDEX_MEDIA_TYPES:
+            raise FormatError(
+                f"{where}: the image for {entry.platform} is a {entry.media_type!r}, not a "
+                "lazyblock index"
+            )
+        return entry.digest
+
+    def put_image(self, index_bytes: bytes) -> PlatformEntry:
+        """Store a block image untagged (its data blobs already stored), for a platform
+        index to name (``publish_index``); returns its entry there (the platform from the
+        index). Here the entry is the image's index; a registry's is its manifest."""
+        from imagetool.format import PlatformEntry, index_media_type, sha256_digest
+        from imagetool.platforms import Platform
+        from imagetool.stores._common import check_publishable
+
+        index = check_publishable(self, None, index_bytes)
+        digest = sha256_digest(index_bytes)
+        media_type = index_media_type(index_bytes)
+        self.put_blob(digest, index_bytes, media_type)
+        return PlatformEntry(media_type, digest, len(index_bytes), Platform.parse(index.platform))
+
+    def publish_index(self, tag: str, entries: list[PlatformEntry]) -> str:
+        """Point ``name:tag`` at a platform index of images already stored (``put_image``);
+        returns its digest. The commit point of a multi-platform conversion."""
+        from imagetool.format import (
+            PLATFORM_INDEX_MEDIA_TYPE,
+            platform_index_bytes,
+            sha256_digest,
+        )
+        from imagetool.stores.refs import check_tag
+
+        check_tag(tag)
+        data = platform_index_bytes(entries)
+        for e in entries:
+            self.blob_size(e.digest)  # NotFoundError: put_image first
+        digest = sha256_digest(data)
+        self.put_blob(digest, data, PLATFORM_INDEX_MEDIA_TYPE)
+        self._write_ref(tag, digest, PLATFORM_INDEX_MEDIA_TYPE)
+        return digest
+
+    def _write_ref(self, tag: str, digest: str, media_type: str) -> None:
+        """Point the tag at ``digest`` (a platform index when ``media_type`` says so)."""
+        from imagetool.errors import StoreError
+
+        raise StoreError(f"{self.url}: this store cannot hold multi-platform images")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -1,7 +1,9 @@
 """The directory store, lazyblock's embedded default.
 
     ROOT/blobs/sha256/<hex>      content-addressed blobs (index and data blobs)
-    ROOT/refs/<name>/<tag>       one line: the index digest that name:tag points to
+    ROOT/refs/<name>/<tag>       one line: the index digest that name:tag points to, or
+                                 "<digest> <media type>" for a multi-platform image's
+                                 platform index (``imagetool.format``)
 
 Every file is written under a temporary name (``.tmp-*``) in its final directory, fsynced,
 moved into place with ``os.replace`` and its directory fsynced, so a reader sees either
@@ -20,7 +22,13 @@ from pathlib import Path
 
 from imagetool.errors import NotFoundError, StoreError
 from imagetool.format import check_digest, index_media_type, sha256_digest
-from imagetool.stores._common import check_publishable, check_range, verify_source
+from imagetool.stores._common import (
+    check_publishable,
+    check_range,
+    parse_ref_line,
+    ref_line,
+    verify_source,
+)
 from imagetool.stores.base import RangeBody, Store
 from imagetool.stores.refs import check_name_component, check_tag
 
@@ -133,28 +141,32 @@ class DirStore(Store):
     # --- tags -----------------------------------------------------------------------------
 
     def resolve(self, tag: str) -> str:
+        return self.resolve_tag(tag)[0]
+
+    def resolve_tag(self, tag: str) -> tuple[str, str]:
         check_tag(tag)
         path = self._ref_dir() / tag
         try:
-            text = path.read_text().strip()
+            text = path.read_text()
         except FileNotFoundError:
             raise NotFoundError(f"{self.name}:{tag} not found in {self.url}") from None
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise StoreError(
-                f"{self.url}: cannot read ref {self.name}:{tag}: {e.strerror}"
+                f"{self.url}: cannot read ref {self.name}:{tag}: {getattr(e, 'strerror', e)}"
             ) from None
-        try:
-            return check_digest(text)
-        except ValueError:
-            raise StoreError(f"{self.url}: ref {self.name}:{tag} is corrupt") from None
+        return parse_ref_line(text, f"{self.url}: ref {self.name}:{tag}")
 
     def publish(self, tag: str, index_bytes: bytes) -> str:
         check_publishable(self, tag, index_bytes)
         digest = sha256_digest(index_bytes)
         self.put_blob(digest, index_bytes, index_media_type(index_bytes))
-        _atomic_write(self._ref_dir() / tag, (digest + "\n").encode(), f"{self.url}: ref")
+        self._write_ref(tag, digest, "")
         log.info("published %s:%s -> %s in %s", self.name, tag, digest, self.url)
         return digest
+
+    def _write_ref(self, tag: str, digest: str, media_type: str) -> None:
+        _atomic_write(self._ref_dir() / check_tag(tag), ref_line(digest, media_type),
+                      f"{self.url}: ref")  # fmt: skip
 
     def list_tags(self) -> list[str]:
         try:

@@ -12,6 +12,12 @@ under the tag, whose
   a version 2 image's data blob layers also say which region they hold and of which source
   layer (``ANNOTATION_BLOB_ROLE``, ``ANNOTATION_SOURCE_LAYER``).
 
+A multi-platform block image is an OCI image index (``format.PLATFORM_INDEX_MEDIA_TYPE``,
+``format.platform_index_bytes``) under the tag whose entries are the per-platform block
+images' manifests, each pushed by digest (``put_image``) before the index: what containerd,
+the kubelet and ``snapshotter pull`` resolve by platform, and what ``resolve_ref`` follows to
+the running machine's platform (or the one asked for).
+
 So any distribution-spec registry that honours ``Range`` can hold block images, and
 ``resolve`` finds the index from the manifest. Blobs are the repository's registry blobs:
 a data blob that another image (or tag) already pushed is not uploaded again, and a registry
@@ -45,10 +51,14 @@ from imagetool.format import (
     INDEX_MEDIA_TYPE,
     INDEX_MEDIA_TYPES,
     Index,
+    PlatformEntry,
     check_digest,
     index_media_type,
+    parse_platform_index,
+    platform_index_bytes,
     sha256_digest,
 )
+from imagetool.platforms import Platform, default_platform, select_platform
 from imagetool.registry.mirrors import HostChain
 from imagetool.stores._common import check_publishable, check_range
 from imagetool.stores.base import RangeBody, Store, StoreOptions
@@ -141,19 +151,58 @@ class RegistryStore(Store):
     # --- tags -----------------------------------------------------------------------------
 
     def resolve(self, tag: str) -> str:
-        """The index digest of the image under a tag (or a manifest digest)."""
-        if not tag.startswith("sha256:"):
-            check_tag(tag)
-        body, media_type, _ = self.client.get_manifest(tag, MANIFEST_ACCEPT)
-        digest = index_digest_from_manifest(body, media_type, f"{self.url}:{tag}")
+        """The index digest of the image under a tag (or a manifest digest); an image
+        index is not followed (``resolve_ref`` does)."""
+        return self._resolve(tag, None, follow=False)
+
+    def resolve_ref(self, ref: ImageRef, platform: str | None = None) -> str:
+        """For ``docker://`` references, ``@sha256:`` is the manifest's digest. An image
+        index resolves to ``platform``'s image (default: the running machine's)."""
+        return self._resolve(ref.digest or ref.tag or "latest", platform, follow=True)
+
+    def resolve_target(self, ref: ImageRef) -> tuple[str, str]:
+        """(digest, media type) of the manifest or image index a reference names."""
+        reference = ref.digest or ref.tag or "latest"
+        if not reference.startswith("sha256:"):
+            check_tag(reference)
+        _, media_type, digest = self.client.get_manifest(reference, MANIFEST_ACCEPT)
+        return digest, media_type
+
+    def _resolve(self, reference: str, platform: str | None, follow: bool) -> str:
+        if not reference.startswith("sha256:"):
+            check_tag(reference)
+        where = f"{self.url}:{reference}"
+        body, media_type, _ = self.client.get_manifest(reference, MANIFEST_ACCEPT)
+        if follow and is_image_index(body, media_type):
+            entries = parse_platform_index(body, where)
+            want = Platform.parse(platform or default_platform())
+            entry = select_platform(entries, lambda e: e.platform, want, where)
+            where = f"{self.url}@{entry.digest} ({entry.platform} in {reference})"
+            body, media_type, _ = self.client.get_manifest(entry.digest, MANIFEST_ACCEPT)
+        digest = index_digest_from_manifest(body, media_type, where)
         self._manifest_sizes.update(layer_sizes(body))
         return digest
 
-    def resolve_ref(self, ref: ImageRef) -> str:
-        """For ``docker://`` references, ``@sha256:`` is the manifest's digest."""
-        return self.resolve(ref.digest or ref.tag or "latest")
-
     def publish(self, tag: str, index_bytes: bytes) -> str:
+        index_digest, manifest_digest, _ = self._push_image(tag, index_bytes)
+        log.info(
+            "published %s:%s -> index %s (manifest %s)", self.url, tag, index_digest,
+            manifest_digest,
+        )  # fmt: skip
+        return index_digest
+
+    def put_image(self, index_bytes: bytes) -> PlatformEntry:
+        """The image's manifest, pushed by digest; the entry names the manifest."""
+        index_digest, manifest_digest, manifest = self._push_image(None, index_bytes)
+        index = Index.from_bytes(index_bytes)
+        log.info("pushed %s@%s -> index %s", self.url, manifest_digest, index_digest)
+        return PlatformEntry(
+            OCI_MANIFEST, manifest_digest, len(manifest), Platform.parse(index.platform)
+        )
+
+    def _push_image(self, tag: str | None, index_bytes: bytes) -> tuple[str, str, bytes]:
+        """Config, index and manifest (under ``tag``, or its digest); (index digest,
+        manifest digest, manifest)."""
         index = check_publishable(self, tag, index_bytes)
         index_digest = sha256_digest(index_bytes)
         config = image_config(index, index_digest)
@@ -161,12 +210,18 @@ class RegistryStore(Store):
         manifest = image_manifest(index, index_digest, index_bytes, config_digest, config)
         self.client.upload_blob(config_digest, config)
         self.client.upload_blob(index_digest, index_bytes)
-        manifest_digest = self.client.put_manifest(tag, manifest, OCI_MANIFEST)
-        log.info(
-            "published %s:%s -> index %s (manifest %s)", self.url, tag, index_digest,
-            manifest_digest,
-        )  # fmt: skip
-        return index_digest
+        manifest_digest = self.client.put_manifest(
+            tag or sha256_digest(manifest), manifest, OCI_MANIFEST
+        )
+        return index_digest, manifest_digest, manifest
+
+    def publish_index(self, tag: str, entries: list[PlatformEntry]) -> str:
+        """The image index under the tag; returns its (manifest) digest."""
+        check_tag(tag)
+        data = platform_index_bytes(entries)
+        digest = self.client.put_manifest(tag, data, OCI_INDEX)
+        log.info("published %s:%s -> image index %s", self.url, tag, digest)
+        return digest
 
     def list_tags(self) -> list[str]:
         try:
@@ -253,6 +308,16 @@ def layer_sizes(body: bytes) -> dict[str, int]:
             if isinstance(digest, str) and isinstance(size, int) and size >= 0:
                 sizes[digest] = size
     return sizes
+
+
+def is_image_index(body: bytes, media_type: str) -> bool:
+    """Whether a manifest the registry served is an image index (OCI or Docker list)."""
+    if media_type in (OCI_INDEX, DOCKER_LIST):
+        return True
+    with contextlib.suppress(ValueError, TypeError):
+        doc = json.loads(body)
+        return isinstance(doc, dict) and "manifests" in doc
+    return False
 
 
 def index_digest_from_manifest(body: bytes, media_type: str, where: str) -> str:

@@ -1,7 +1,8 @@
 """The S3 store (boto3).
 
     s3://BUCKET/PREFIX/blobs/sha256/<hex>    content-addressed blobs
-    s3://BUCKET/PREFIX/refs/<name>/<tag>     one line: the index digest
+    s3://BUCKET/PREFIX/refs/<name>/<tag>     one line: the index digest (or "<digest> <media
+                                             type>": a platform index, ``imagetool.format``)
 
 Credentials come from boto3's normal chain; the endpoint can be overridden with the
 ``AWS_ENDPOINT_URL`` environment variable, which boto3 itself honours (this module reads no
@@ -40,7 +41,13 @@ from botocore.config import Config
 from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutError
 from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.registry.ranged import DirectBody, RangeClient, RangeResponse
-from imagetool.stores._common import check_publishable, check_range, verify_source
+from imagetool.stores._common import (
+    check_publishable,
+    check_range,
+    parse_ref_line,
+    ref_line,
+    verify_source,
+)
 from imagetool.stores.base import RangeBody, Store, StoreOptions
 from imagetool.stores.refs import check_name_component, check_tag
 
@@ -215,6 +222,9 @@ class S3Store(Store):
     # --- tags -----------------------------------------------------------------------------
 
     def resolve(self, tag: str) -> str:
+        return self.resolve_tag(tag)[0]
+
+    def resolve_tag(self, tag: str) -> tuple[str, str]:
         key = self._ref_key(tag)
         where = self._where(key)
 
@@ -227,27 +237,25 @@ class S3Store(Store):
             text = _call(where, get)
         except NotFoundError:
             raise NotFoundError(f"{self.name}:{tag} not found in {self.url}") from None
-        try:
-            return check_digest(text.decode().strip())
-        except ValueError:
-            raise StoreError(f"{where}: ref is corrupt") from None
+        return parse_ref_line(text.decode(errors="replace"), f"{where}: ref")
 
     def publish(self, tag: str, index_bytes: bytes) -> str:
         check_publishable(self, tag, index_bytes)
         digest = sha256_digest(index_bytes)
         self.put_blob(digest, index_bytes, index_media_type(index_bytes))
+        self._write_ref(tag, digest, "")
+        log.info("published %s:%s -> %s in %s", self.name, tag, digest, self.url)
+        return digest
+
+    def _write_ref(self, tag: str, digest: str, media_type: str) -> None:
         key = self._ref_key(tag)
         _call(
             self._where(key),
             lambda: self._client.put_object(
-                Bucket=self.bucket,
-                Key=key,
-                Body=(digest + "\n").encode(),
+                Bucket=self.bucket, Key=key, Body=ref_line(digest, media_type),
                 ContentType="text/plain",
             ),
-        )
-        log.info("published %s:%s -> %s in %s", self.name, tag, digest, self.url)
-        return digest
+        )  # fmt: skip
 
     def list_tags(self) -> list[str]:
         prefix = self._key("refs", self.name) + "/"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform as _platform
 import secrets
 import time
 from collections.abc import Callable
@@ -48,7 +47,9 @@ from typing import Any
 import grpc
 from google.protobuf.field_mask_pb2 import FieldMask
 
+from imagetool.errors import InvalidReferenceError, NotFoundError
 from imagetool.format import check_digest, sha256_digest
+from imagetool.platforms import Platform, available_platforms, default_platform, select_platform
 from imagetool.registry.client import RegistryClient
 from imagetool.stores.base import StoreOptions
 from imagetool.stores.refs import DOCKER_HUB, parse_ref, registry_host
@@ -84,7 +85,6 @@ LABEL_GC_EXPIRE = "containerd.io/gc.expire"
 LABEL_GC_CONTENT = "containerd.io/gc.ref.content."
 LABEL_GC_SNAPSHOT = "containerd.io/gc.ref.snapshot."
 LABEL_DISTRIBUTION_SOURCE = "containerd.io/distribution.source."
-_ARCH_ALIASES = {"x86_64": "amd64", "x86-64": "amd64", "aarch64": "arm64", "i386": "386"}
 
 
 @dataclass(frozen=True)
@@ -203,27 +203,21 @@ def pull(ref: str, options: PullOptions = PullOptions()) -> PullResult:
 
 def node_platform() -> str:
     """This machine's platform as containerd matches it (``linux/amd64`` on x86)."""
-    machine = _platform.machine().lower()
-    return f"linux/{_ARCH_ALIASES.get(machine, machine)}"
+    return default_platform()
+
+
+def parse_platform(text: str) -> Platform:
+    """``os/arch[/variant]``, arch names as containerd's (``imagetool.platforms``)."""
+    try:
+        return Platform.parse(text)
+    except InvalidReferenceError as e:
+        raise PullError(str(e)) from None
 
 
 def platform_parts(text: str) -> tuple[str, str, str]:
     """(os, arch, variant) of ``os/arch[/variant]``, arch names as containerd's."""
-    parts = text.strip().lower().split("/")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise PullError(f"invalid platform {text!r}: expected os/arch[/variant]")
-    arch = _ARCH_ALIASES.get(parts[1], parts[1])
-    return parts[0], arch, parts[2] if len(parts) == 3 else ""
-
-
-def _matches(want: tuple[str, str, str], doc: dict[str, Any]) -> bool:
-    os_, arch, variant = want
-    got_arch = str(doc.get("architecture") or "").lower()
-    return (
-        str(doc.get("os") or "").lower() == os_
-        and _ARCH_ALIASES.get(got_arch, got_arch) == arch
-        and (not variant or str(doc.get("variant") or "").lower() == variant)
-    )
+    p = parse_platform(text)
+    return p.os, p.architecture, p.variant or ""
 
 
 def _json(data: bytes, what: str) -> dict[str, Any]:
@@ -239,7 +233,7 @@ def _json(data: bytes, what: str) -> dict[str, Any]:
 def resolve(name: ImageName, options: PullOptions) -> ResolvedImage:
     """Read the image from its registry and check that it is a lazyblock block image."""
     platform = options.platform or node_platform()
-    want = platform_parts(platform)
+    want = parse_platform(platform)
     source = {LABEL_DISTRIBUTION_SOURCE + name.host: name.repository}
     documents: list[Document] = []
     with RegistryClient(name.host, name.repository, options.store) as client:
@@ -248,22 +242,21 @@ def resolve(name: ImageName, options: PullOptions) -> ResolvedImage:
         target = Document(media_type, digest, body, dict(source))
         if media_type in (OCI_INDEX, DOCKER_LIST) or "manifests" in doc:
             entries = [m for m in doc.get("manifests") or [] if isinstance(m, dict)]
-            chosen = [
-                (i, m)
-                for i, m in enumerate(entries)
-                if isinstance(m.get("platform"), dict) and _matches(want, m["platform"])
-            ]
-            if not chosen:
-                available = sorted(
-                    "/".join(str(p.get(k)) for k in ("os", "architecture") if p.get(k))
-                    for m in entries
-                    if isinstance(p := m.get("platform"), dict)
+            try:
+                i, entry = select_platform(
+                    list(enumerate(entries)),
+                    lambda e: Platform.from_json(e[1].get("platform")),
+                    want,
+                    name.name,
+                )
+            except NotFoundError:
+                available = available_platforms(
+                    entries, lambda e: Platform.from_json(e.get("platform"))
                 )
                 raise PullError(
                     f"{name.name}: no image for platform {platform} in its index "
                     f"(available: {', '.join(available) or 'none'}; --platform picks one)"
-                )
-            i, entry = chosen[0]
+                ) from None
             manifest_digest = check_digest(str(entry.get("digest")))
             target.labels[f"{LABEL_GC_CONTENT}m.{i}"] = manifest_digest
             documents.append(target)
@@ -275,7 +268,8 @@ def resolve(name: ImageName, options: PullOptions) -> ResolvedImage:
         layers, config_desc = _lazyblock_layers(name.name, doc)
         config_bytes = _read_document(client, config_desc, f"{name.name}: config")
     config = _json(config_bytes, f"{name.name}: config {config_desc['digest']}")
-    if not _matches(want, config):
+    got_platform = Platform.from_json(config)
+    if got_platform is None or not want.matches(got_platform):
         got = "/".join(str(config.get(k)) for k in ("os", "architecture") if config.get(k))
         raise PullError(
             f"{name.name} is an image for {got or 'no platform'}, not {platform} "
