@@ -117,14 +117,19 @@ def transfer_node(
 
 
 def _auth_node(
-    tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
+    tmp_path_factory: pytest.TempPathFactory,
+    auth_registry: AuthRegistry,
+    flavour: Flavour,
+    name: str = "authnode",
+    **extra: str,
 ) -> Iterator[Containerd]:
-    root = tmp_path_factory.mktemp(f"authnode-{flavour.name}")
+    root = tmp_path_factory.mktemp(f"{name}-{flavour.name}")
     empty = root / "no-docker-config"
     empty.mkdir()
     settings = {
         "image_service_address": str(root / "lazyblock" / "image.sock"),
         "containerd_address": str(root / "containerd" / "containerd.sock"),
+        **extra,
     }
     with running_node(
         root, auth_registry.host, flavour, settings, env={"DOCKER_CONFIG": str(empty)}
@@ -252,20 +257,9 @@ def restart_node(
     tmp_path_factory: pytest.TempPathFactory, auth_registry: AuthRegistry, flavour: Flavour
 ) -> Iterator[Containerd]:
     """As ``auth_node``, with the periodic remount check every 2 s."""
-    root = tmp_path_factory.mktemp(f"restartnode-{flavour.name}")
-    empty = root / "no-docker-config"
-    empty.mkdir()
-    settings = {
-        "image_service_address": str(root / "lazyblock" / "image.sock"),
-        "containerd_address": str(root / "containerd" / "containerd.sock"),
-        "remount_interval": "2",
-    }
-    with running_node(
-        root, auth_registry.host, flavour, settings, env={"DOCKER_CONFIG": str(empty)}
-    ) as node:
-        assert node.snapshotter.proc is not None
-        wait_for(Path(settings["image_service_address"]), node.snapshotter.proc, "image service")
-        yield node
+    yield from _auth_node(
+        tmp_path_factory, auth_registry, flavour, "restartnode", remount_interval="2"
+    )
 
 
 def assert_not_on_disk(node: Containerd) -> None:
