@@ -148,6 +148,46 @@ def umount_cmd(mountpoint: Path, lazy: bool, config) -> None:  # noqa: ANN001
     api.unmount(mountpoint, config.mount, lazy=lazy)
 
 
+@cli.command(name="upgrade-mounts")
+@click.argument("mountpoints", nargs=-1, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--reconfigure", is_flag=True,
+              help="Serve with this command's configuration, not each mount's own.")  # fmt: skip
+@_config_options
+@click.pass_context
+def upgrade_mounts_cmd(
+    ctx: click.Context,
+    mountpoints: tuple[Path, ...],
+    reconfigure: bool,
+    config,  # noqa: ANN001
+) -> None:
+    """Replace the server of each mount (all live mounts if none is named) with a new
+    process of the installed version, under running readers: each takes its mount's FUSE
+    connection over from the mount's holder and retires the old server; no read fails.
+    Each keeps its mount's configuration and credentials unless --reconfigure."""
+    from snapshotter.mount import api
+
+    if not mountpoints:
+        mountpoints = tuple(
+            m.mountpoint for m in api.list_mounts(config.mount) if m.alive and m.phase == "ready"
+        )
+    failed = 0
+    for mountpoint in mountpoints:
+        started = time.monotonic()
+        try:
+            old = [m.pid for m in api.list_mounts(config.mount)
+                   if m.mountpoint == mountpoint.absolute()]  # fmt: skip
+            info = api.replace(mountpoint, config.mount, reconfigure=reconfigure,
+                               log_level=ctx.find_root().obj["log_level"])  # fmt: skip
+        except SnapshotterError as e:
+            failed += 1
+            click.echo(f"{mountpoint}: {type(e).__name__}: {e}", err=True)
+            continue
+        click.echo(f"{info.mountpoint}: pid {old[0] if old else '?'} -> {info.pid} "
+                   f"in {time.monotonic() - started:.3f}s")  # fmt: skip
+    if failed:
+        sys.exit(1)
+
+
 @cli.command()
 @click.argument("mountpoint", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -184,7 +224,9 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
         click.echo("no mounts")
     for m in mounts:
         state = "ready" if m["alive"] and m["phase"] == "ready" else (
-            m["phase"] if m["alive"] else "DEAD (run umount)")  # fmt: skip
+            m["phase"] if m["alive"] else
+            "restarting (its holder starts a new server)" if m["held"] else
+            "DEAD (run umount)")  # fmt: skip
         click.echo(f"{m['mountpoint']}: {m['ref']} [{state}] pid {m['pid']} via {m['backing']}")
         s = m.get("stats")
         if s:

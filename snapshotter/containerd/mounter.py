@@ -143,8 +143,10 @@ class MountBackend:
             api.unmount(mountpoint, self.config)
 
     def is_mounted(self, mountpoint: Path) -> bool:
-        """Mounted, with a live server (a dead one leaves the kernel mount but gives EIO)."""
+        """Mounted, with a live server or a live holder (which is starting a successor of a
+        dead server: readers wait, none fails). A dead server without a holder leaves the
+        kernel mount but gives EIO."""
         if not os.path.ismount(mountpoint):
             return False
         record = state.MountRecord.load(state.mount_dir(self.config.state_dir, mountpoint))
-        return record is not None and record.alive
+        return record is not None and (record.alive or record.held)

@@ -4,6 +4,7 @@ This is what the CLI and the containerd-facing service call; it is stable::
 
     info = mount("docker://reg/app:v1", Path("/mnt/app"), config)   # -> MountInfo
     stats(Path("/mnt/app"), config)                                  # -> dict (JSON-able)
+    replace(Path("/mnt/app"), config)                                # -> MountInfo (new server)
     list_mounts(config)                                              # -> [MountInfo]
     unmount(Path("/mnt/app"), config)                                # idempotent
 
@@ -19,6 +20,13 @@ erofs mounted). Everything a later process needs to find and clean up a mount is
 under ``config.state_dir`` (``snapshotter.mount.state``), so ``unmount`` also works after the
 server died (killed, crashed): it takes erofs down (lazily: users of a dead mount get EIO
 anyway), aborts and unmounts the FUSE file system and lets the loop device go.
+
+A mount's FUSE connection outlives its server: the mount's holder keeps it
+(``snapshotter.mount.holder``) and starts a successor when the server dies; ``replace``
+starts a successor of the installed version while the old server runs (an upgrade), which
+takes the connection over and retires the old one. Readers wait during either; none fails.
+A mount whose server is dead but whose holder lives (``MountInfo.held``) is being taken over,
+not dead: ``mount`` refuses it as mounted, ``unmount`` ends the holder too.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from imagetool.errors import InvalidReferenceError
 from imagetool.stores.refs import absolute_ref
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
-from snapshotter.mount import control, forkserver, kernel, state
+from snapshotter.mount import control, forkserver, handover, kernel, state
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,9 @@ class MountInfo:
     loop_device: str
     started_at: float
     state_dir: Path  # this mount's directory under config.state_dir
+    held: bool = False  # its holder lives: the FUSE connection survives the server
+    holder_pid: int = 0
+    servers: int = 1  # servers the mount has had (1 + handovers)
 
     @classmethod
     def from_record(cls, record: state.MountRecord, directory: Path) -> MountInfo:
@@ -105,6 +116,9 @@ class MountInfo:
             loop_device=record.loop_device,
             started_at=record.started_at,
             state_dir=directory,
+            held=record.held,
+            holder_pid=record.holder_pid,
+            servers=record.servers,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +132,9 @@ class MountInfo:
             "backing": self.backing,
             "loop_device": self.loop_device,
             "started_at": self.started_at,
+            "held": self.held,
+            "holder_pid": self.holder_pid,
+            "servers": self.servers,
         }
 
 
@@ -147,6 +164,10 @@ def mount(
     if record is not None:
         if record.alive and (record.phase != "ready" or kernel.is_mountpoint(mountpoint)):
             raise AlreadyMountedError(f"{mountpoint} is already mounted ({record.ref})")
+        if record.held and record.phase == "ready" and kernel.is_mountpoint(mountpoint):
+            raise AlreadyMountedError(
+                f"{mountpoint} is already mounted ({record.ref}; its server is being restarted)"
+            )
         log.info("cleaning up after the dead or orphaned server of %s", mountpoint)
         unmount(mountpoint, config)
     if not mountpoint.is_dir():
@@ -302,6 +323,69 @@ def _start_server(
     return _Server(proc, None, want_fork_server=unavailable)
 
 
+def replace(
+    mountpoint: Path,
+    config: MountConfig,
+    *,
+    log_level: int = logging.INFO,
+    fork_server: bool = True,
+    reconfigure: bool = False,
+) -> MountInfo:
+    """Replace the server of the live mount at ``mountpoint`` by a new process of the
+    installed version: it takes the FUSE connection over from the mount's holder, retires
+    the old server and serves; readers only wait. Returns once it serves. The new server
+    keeps the old one's configuration (its credentials included, which the holder keeps in
+    memory), unless ``reconfigure``: then it takes ``config`` (whose ``state_dir`` finds the
+    mount either way).
+    ``HandoverError`` for a mount without a holder (made by a version before handovers:
+    only a remount helps) or whose takeover failed (the old server then goes on)."""
+    mountpoint = Path(os.path.abspath(mountpoint))
+    config = config.absolute()
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    if record is None or record.phase != "ready" or not kernel.is_mountpoint(mountpoint):
+        raise NotMountedError(f"no lazyblock mount at {mountpoint}")
+    if not record.held:
+        raise handover.HandoverError(
+            f"the mount at {mountpoint} has no holder (made before handovers, or its holder "
+            "was killed): its server cannot be replaced, only remounted"
+        )
+    request: dict[str, Any] = {
+        "ref": record.ref,
+        "mountpoint": str(mountpoint),
+        "mount_dir": str(directory),
+        "sent_at": time.time(),
+        "adopt": True,
+    }
+    if reconfigure:
+        request.update(config=config.to_dict(), log_level=log_level)
+    read_end, write_end = os.pipe()
+    try:
+        with open(directory / state.LOG_FILE, "ab") as logf:
+            server = _start_server(request, logf.fileno(), write_end, fork_server, False,
+                                   close=(read_end,))  # fmt: skip
+        os.close(write_end)
+        write_end = -1
+        answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    if answer is None or not answer.get("ok"):
+        reason = (
+            f"{answer.get('type')}: {answer.get('error')}"
+            if answer
+            else f"server exited or timed out: {_log_tail(directory / state.LOG_FILE)}"
+        )
+        raise handover.HandoverError(f"cannot replace the server of {mountpoint}: {reason}")
+    server.reap_in_background()
+    server.start_fork_server()
+    new = state.MountRecord.load(directory)
+    if new is None:
+        raise handover.HandoverError(f"the new server of {mountpoint} left no state")
+    return MountInfo.from_record(new, directory)
+
+
 def _read_ready(fd: int, timeout: float) -> dict[str, Any] | None:
     """The server's readiness line, or None if it closed the pipe or timed out."""
     deadline = time.monotonic() + timeout
@@ -373,6 +457,9 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
     record = state.MountRecord.load(directory)
     fuse_dir = directory / state.FUSE_DIR
     alive = record is not None and record.alive
+    if record is not None and not alive:
+        # The holder first, so that it starts no successor of the dead server.
+        _stop_holder(record)
     if alive:
         try:
             kernel.unmount_path(mountpoint, lazy_fallback=lazy)
@@ -398,10 +485,22 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
             kernel.unmount_path(mountpoint, lazy_fallback=True)
         kernel.abort_fuse(fuse_dir, record.fuse_device if record else "")
         kernel.unmount_path(fuse_dir, lazy_fallback=True)
+    if record is not None and not (alive and lazy):
+        _stop_holder(record)  # its server told it already, unless it died meanwhile
     if record is not None and record.loop_device:
         _release_loop(record.loop_device, fuse_dir)
     if directory.exists() and not (alive and lazy and record and record.alive):
         state.remove_mount_dir(directory)
+
+
+def _stop_holder(record: state.MountRecord) -> None:
+    """End the mount's holder (SIGTERM), if it lives."""
+    if record.held:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.holder_pid, signal.SIGTERM)
+        deadline = time.monotonic() + SERVER_EXIT_TIMEOUT
+        while record.held and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _ours_at(mountpoint: Path, directory: Path) -> bool:

@@ -99,14 +99,20 @@ class BlockFile:
 
 
 def serve_in_thread(
-    operations: BlockFile, directory: Path, fsname: str
-) -> tuple[threading.Thread, dict[str, BaseException]]:
+    operations: BlockFile,
+    directory: Path,
+    fsname: str,
+    fd: int = -1,
+    negotiated: dict[str, int] | None = None,
+) -> tuple[FuseServer, threading.Thread, dict[str, BaseException]]:
     """Mount ``operations`` as a FUSE file system on ``directory`` and serve it on a thread
     (which ends when the file system is unmounted); the returned dict receives the
     exception it ended with. ``operations.on_init`` is called once the kernel's INIT is
-    answered."""
+    answered. With ``fd`` (and the ``negotiated`` INIT of whoever mounted it), serve that
+    connection instead of mounting one (a handover, ``snapshotter.mount.holder``)."""
     outcome: dict[str, BaseException] = {}
-    server = FuseServer(operations, directory, fsname, IMAGE_NAME, on_init=operations.on_init)
+    server = FuseServer(operations, directory, fsname, IMAGE_NAME, on_init=operations.on_init,
+                        fd=fd, negotiated=negotiated)  # fmt: skip
 
     def run() -> None:
         try:
@@ -116,4 +122,4 @@ def serve_in_thread(
 
     thread = threading.Thread(target=run, name="lazyblock-fuse", daemon=True)
     thread.start()
-    return thread, outcome
+    return server, thread, outcome

@@ -26,6 +26,15 @@ which the kernel remembers (xattrs, access checks) or which a read-only file sys
 right to refuse. An answer the kernel no longer wants (ENOENT on write: the request was
 interrupted, the reading process died) is dropped. When the file system is unmounted, reads
 of /dev/fuse fail with ENODEV and every thread ends.
+
+Handover (``snapshotter.mount.holder``): a server may also serve a connection it did not make,
+``fd`` being a copy of another process's /dev/fuse descriptor and ``negotiated`` what that
+process's INIT answer said (INIT comes once per connection). ``resend`` then asks the kernel
+to queue again every request that was read from the connection but never answered
+(``FUSE_NOTIFY_RESEND``, kernel 6.9 and later): those a dead predecessor held. Such a request
+comes back with bit 63 of its ``unique`` set (``FUSE_UNIQUE_RESEND``) and is answered as any
+other; a request answered twice (the predecessor's answer raced the resend) costs only the
+work, the kernel drops the late answer (ENOENT, ignored here).
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ log = logging.getLogger(__name__)
 # Opcodes (enum fuse_opcode).
 LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 14, 15, 17, 18
 FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 25, 26, 27, 28, 29
+# enum fuse_notify_code: queue the connection's unanswered requests again (kernel 6.9+).
+NOTIFY_RESEND = 7
+# The bit the kernel sets in a resent request's ``unique``.
+UNIQUE_RESEND = 1 << 63
 INTERRUPT, DESTROY, BATCH_FORGET = 36, 38, 42
 _NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
@@ -133,6 +146,8 @@ class FuseServer:
         threads: int = THREADS,
         on_init: Callable[[], None] | None = None,
         scratch_bytes: int = MAX_READ * 2,
+        fd: int = -1,
+        negotiated: dict[str, int] | None = None,
     ) -> None:
         self.source = source
         self.directory = directory
@@ -141,8 +156,12 @@ class FuseServer:
         self.threads = threads
         self.on_init = on_init
         self.scratch_bytes = scratch_bytes
-        self.negotiated: dict[str, int] = {}
-        self._fd = -1
+        # What INIT settled (minor, flags, max_readahead): given for an adopted connection.
+        self.negotiated: dict[str, int] = dict(negotiated or {})
+        self._fd = fd  # an adopted connection's /dev/fuse descriptor, or -1 until mounted
+        self.resent = 0  # requests that came back through a resend
+        self._in_flight = 0  # requests read and not yet answered
+        self._lock = threading.Lock()
         now = int(time.time())
         size = source.size
         self._file_attr = ATTR.pack(
@@ -179,6 +198,24 @@ class FuseServer:
             self._fd = -1
             raise FuseError(f"mount -t fuse {self.directory}: {os.strerror(err)}")
 
+    @property
+    def fd(self) -> int:
+        """The /dev/fuse descriptor (-1 before ``mount``)."""
+        return self._fd
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def resend(self) -> None:
+        """Have the kernel queue again the requests read from this connection and never
+        answered (``FUSE_NOTIFY_RESEND``). Raises ``FuseError`` where the kernel lacks it
+        (before 6.9: EINVAL); such requests then wait for ever."""
+        try:
+            os.write(self._fd, OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0))
+        except OSError as e:
+            raise FuseError(f"FUSE_NOTIFY_RESEND: {e.strerror}") from None
+
     # --- serving --------------------------------------------------------------------------
 
     def serve(self) -> None:
@@ -213,6 +250,10 @@ class FuseServer:
                 log.exception("reading /dev/fuse failed")
                 return
             _, opcode, unique, nodeid, *_ = unpack_in(buf)
+            with self._lock:
+                self._in_flight += 1
+                if unique & UNIQUE_RESEND:
+                    self.resent += 1
             try:
                 if opcode == READ:
                     self._read(fd, unique, view, scratch)
@@ -222,6 +263,9 @@ class FuseServer:
                 log.exception("FUSE request %d failed", opcode)
                 if opcode not in _NO_REPLY:
                     self._error(fd, unique, errno.EIO)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
 
     def _read(self, fd: int, unique: int, request: memoryview, scratch: memoryview) -> None:
         _, offset, size, *_ = READ_IN.unpack_from(request, IN_HEADER.size)

@@ -14,12 +14,22 @@ the foreground. In order, it:
 4. puts the kernel's erofs on it at the mountpoint (``snapshotter.mount.kernel``) and raises the
    mount's read-ahead, so that sequential reads reach FUSE as 1 MiB requests;
 5. records itself (``snapshotter.mount.state``), opens its control socket and reports readiness;
-6. serves until the FUSE file system is unmounted (that is how ``snapshotter umount`` ends
-   it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts erofs and FUSE itself).
+6. starts the mount's holder (``snapshotter.mount.holder``), which keeps a copy of the FUSE
+   connection's descriptor so that the connection outlives this process;
+7. serves until the FUSE file system is unmounted (that is how ``snapshotter umount`` ends
+   it) or it gets SIGTERM/SIGINT/SIGHUP (then it unmounts erofs and FUSE itself), or until a
+   successor retires it (then it exits and leaves every mount in place).
 
-The server owns nothing that outlives it but its state directory, which ``umount`` removes
-even after a crash: the erofs mount (a loop device is autoclear), the FUSE mount (aborted by
-the kernel when the server's /dev/fuse closes) and the socket.
+A successor (``adopt``: started by the holder when this server died, or by ``snapshotter
+upgrade-mounts``) does none of steps 1-6 but the data path's setup: it takes the index digest,
+the kernel side and INIT's outcome from the mount's record and the holder, the index from the
+node's index cache and the sectors from the node's sector cache; it serves the connection the
+holder hands it, retires its predecessor if that one still runs, has the kernel resend what
+the predecessor left unanswered (``snapshotter.mount.handover``) and records itself.
+
+The erofs mount (a loop device is autoclear) and the FUSE mount outlive every server; the
+FUSE connection lives as long as the holder or a server holds its /dev/fuse file. ``umount``
+takes it all down and removes the state directory, also after a crash.
 
 Readiness goes to the parent as one JSON line on an inherited pipe: ``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "error": ...}``.
@@ -62,8 +72,9 @@ from snapshotter.datapath.prefetch import Prefetcher
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import MountMetrics
-from snapshotter.mount import fuse, kernel, memory, state
+from snapshotter.mount import fuse, handover, holder, kernel, memory, state
 from snapshotter.mount.control import ControlServer
+from snapshotter.mount.fusewire import FuseError, FuseServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,8 +97,12 @@ class MountServer:
         config: MountConfig,
         launch: str = "exec",
         sent_at: float | None = None,
+        adopt: bool = False,
+        log_level: int = logging.INFO,
     ) -> None:
         self.ref = ref
+        self.adopt = adopt  # take a live mount over (see the module docstring)
+        self.log_level = log_level
         self.sent_at = sent_at  # time.time() at which the caller asked for this server
         self.launch = launch  # how this process started: "exec" or "fork" (fork server)
         self.mountpoint = Path(os.path.abspath(mountpoint))
@@ -107,7 +122,13 @@ class MountServer:
         self.operations: fuse.BlockFile | None = None
         self.prefetcher: Prefetcher | None = None
         self.control: ControlServer | None = None
+        self._fuse: FuseServer | None = None
         self._fuse_thread: threading.Thread | None = None
+        self.holder_pid = 0
+        self._holder_start = 0
+        self.fuse_init: dict[str, int] = {}
+        self.servers = 1  # this mount's servers so far, this one included
+        self.retiring = threading.Event()
         self._fuse_outcome: dict[str, BaseException] = {}
         self._backing = ""
         self._loop_device = ""
@@ -118,6 +139,9 @@ class MountServer:
     # --- start ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.adopt:
+            self._adopt()
+            return
         cfg = self.config
         phases = _Phases()
         # From the caller's request to here: a new interpreter's start and imports, or a fork.
@@ -169,7 +193,7 @@ class MountServer:
         initialised = threading.Event()
         self.operations = fuse.BlockFile(self.reader, on_init=initialised.set)
         fsname = f"lazyblock:{self.index_digest[7:19]}"
-        self._fuse_thread, self._fuse_outcome = fuse.serve_in_thread(
+        self._fuse, self._fuse_thread, self._fuse_outcome = fuse.serve_in_thread(
             self.operations, self.fuse_dir, fsname
         )
         while not initialised.wait(0.05):
@@ -188,18 +212,137 @@ class MountServer:
         phases.done("kernel")
         self._check_blob_sizes(blob_sizes.result(phases.started + cfg.mount_timeout))
         phases.done("blob_check")
+        self.fuse_init = dict(self._fuse.negotiated)
+        self._start_holder()
+        phases.done("holder")
         self._mount_seconds = phases.seconds()
         if launched is not None:
             self._mount_seconds["launch"] = launched
-        self.control = ControlServer(
-            self.dir / state.CONTROL_SOCKET,
-            {"stats": self._stats, "profile": self._profile, "credentials": self._credentials},
-        ).start()
+        self._start_control()
         self._save("ready")
         log.info(
             "mounted %s (%s) at %s via %s in %.3fs",
             self.ref, self.index_digest, self.mountpoint, self._backing, phases.elapsed(),
         )  # fmt: skip
+
+    def _start_control(self) -> None:
+        self.control = ControlServer(
+            self.dir / state.CONTROL_SOCKET,
+            {
+                "stats": self._stats,
+                "profile": self._profile,
+                "credentials": self._credentials,
+                "retire": self._retire,
+            },
+        ).start()
+
+    # --- handover -------------------------------------------------------------------------
+
+    def _hand(self) -> dict[str, Any]:
+        """What the holder keeps for a successor: how to start one, and its request."""
+        request = {
+            "ref": self.ref,
+            "mountpoint": str(self.mountpoint),
+            "config": self.config.to_dict(),
+            "log_level": self.log_level,
+        }
+        argv = [sys.executable, "-m", "snapshotter.mount.server", "--ready-fd=-1"]
+        return {
+            "mount_dir": str(self.dir),
+            "init": self.fuse_init,
+            "launch": {"argv": argv, "env": dict(os.environ)},
+            "request": request,
+        }
+
+    def _start_holder(self) -> None:
+        """Start the holder of this mount's FUSE connection; without one (it could not
+        start) the mount works as before handovers: it dies with its server."""
+        assert self._fuse is not None
+        try:
+            self.holder_pid = holder.start(
+                self.dir, self._fuse.fd, os.getpid(), self._hand(), sys.stderr.fileno()
+            )
+        except OSError as e:
+            log.warning("no holder for %s (its server cannot be replaced): %s",
+                        self.mountpoint, e)  # fmt: skip
+            return
+        self._holder_start = state.process_start(self.holder_pid) or 0
+
+    def _adopt(self) -> None:
+        """Take the live mount at ``mountpoint`` over (see the module docstring)."""
+        cfg = self.config
+        phases = _Phases()
+        launched = time.time() - self.sent_at if self.sent_at is not None else None
+        record = state.MountRecord.load(self.dir)
+        if record is None or record.phase != "ready" or not record.held:
+            raise handover.HandoverError(
+                f"no live mount with a holder at {self.mountpoint} to take over"
+            )
+        self.index_digest = record.index_digest
+        self._backing, self._loop_device = record.backing, record.loop_device
+        self._fuse_device = record.fuse_device
+        opening = _Task("lazyblock-cache-open", SectorCache, cfg.cache_dir, cfg.cache_size)
+        self.store = open_store(parse_ref(self.ref), cfg.store)
+        self.index = self._load_index()
+        self.cache = opening.result(phases.started + cfg.mount_timeout)
+        self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
+        self.reader = BlockReader(
+            self.index,
+            self.fetcher,
+            cfg.memory_sectors,
+            timeout=cfg.read_timeout,
+            readahead_bytes=cfg.readahead_bytes,
+        )
+        phases.done("prepare")
+        with handover.lock(self.dir):
+            record = state.MountRecord.load(self.dir) or record  # another may have just served
+            try:
+                fd, answer = holder.adopt(
+                    self.dir, os.getpid(), self._hand()["launch"], self._hand()["request"]
+                )
+            except holder.HolderError as e:
+                raise handover.HandoverError(str(e)) from None
+            self.holder_pid = int(answer["holder_pid"])
+            self._holder_start = state.process_start(self.holder_pid) or 0
+            self.fuse_init = dict(answer.get("init") or record.fuse_init)
+            self.servers = record.servers + 1
+            self.operations = fuse.BlockFile(self.reader)
+            fsname = f"lazyblock:{self.index_digest[7:19]}"
+            self._fuse, self._fuse_thread, self._fuse_outcome = fuse.serve_in_thread(
+                self.operations, self.fuse_dir, fsname, fd=fd, negotiated=self.fuse_init
+            )
+            phases.done("adopt")
+            retired = handover.retire(self.dir, record)
+            phases.done("retire")
+            try:
+                self._fuse.resend()
+            except FuseError as e:
+                log.warning("%s: requests the predecessor left unanswered wait for ever", e)
+            self._start_control()
+            self._save("ready")
+        self.prefetcher = Prefetcher.for_mount(self.fetcher, cfg.prefetch_config()).start()
+        self._mount_seconds = phases.seconds()
+        if launched is not None:
+            self._mount_seconds["launch"] = launched
+        log.info("took %s over from server %d (%s) in %.3fs", self.mountpoint, record.pid,
+                 "retired" if retired else "dead", phases.elapsed())  # fmt: skip
+
+    def _retire(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A successor serves the mount now: exit (soon after this answer) without
+        unmounting anything, once the requests read so far are answered."""
+        self.retiring.set()
+        threading.Thread(target=self._exit_retired, name="lazyblock-retire", daemon=True).start()
+        return {"pid": os.getpid()}
+
+    def _exit_retired(self) -> None:
+        time.sleep(0.05)  # the answer goes out first
+        log.info("retiring: a successor serves %s", self.mountpoint)
+        deadline = time.monotonic() + handover.RETIRE_DRAIN
+        while self._fuse is not None and self._fuse.in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(0)
 
     def _load_index(self) -> Index:
         """The verified index: from the node's index cache if a copy there matches the
@@ -284,7 +427,8 @@ class MountServer:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.stop(1.0)
-        if self._fuse_thread is not None and self._fuse_thread.is_alive():
+        if self._fuse_thread is not None and self._fuse_thread.is_alive() and not self.adopt:
+            # A failed mount is undone; a failed takeover leaves the mount to the holder.
             self.unmount()
             self._fuse_thread.join(10)
         if self.control is not None:
@@ -294,7 +438,10 @@ class MountServer:
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.close()
-        if not kernel.is_mountpoint(self.fuse_dir):
+        if not kernel.is_mountpoint(self.fuse_dir) and (
+            self.record is None or self.record.pid == os.getpid()
+        ):
+            holder.done(self.dir)
             state.remove_mount_dir(self.dir)
 
     # --- state and control ----------------------------------------------------------------
@@ -316,6 +463,10 @@ class MountServer:
             image_size=idx.image_size if idx else 0,
             sector_count=idx.sector_count if idx else 0,
             metadata_sectors=idx.metadata_sectors if idx else 0,
+            holder_pid=self.holder_pid,
+            holder_start=self._holder_start,
+            fuse_init=self.fuse_init,
+            servers=self.servers,
         )
         self.record.save(self.dir)
 
@@ -335,6 +486,14 @@ class MountServer:
             "mount_seconds": self._mount_seconds,
             "launch": self.launch,
             "index_cached": self._index_cached,
+            "handover": {
+                "adopted": self.adopt,
+                "servers": self.servers,
+                "holder_pid": self.holder_pid,
+                "held": bool(self.holder_pid)
+                and state.process_start(self.holder_pid) == self._holder_start,
+                "resent_requests": self._fuse.resent if self._fuse else 0,
+            },
             "image": {
                 "size": idx.image_size,
                 "sector_size": idx.sector_size,
@@ -467,6 +626,8 @@ def run(
     ready: Callable[[dict[str, Any]], bool],
     launch: str = "exec",
     sent_at: float | None = None,
+    adopt: bool = False,
+    log_level: int = logging.INFO,
 ) -> int:
     """Run a mount server in this process until it is unmounted; returns an exit code.
     ``ready`` hands the readiness document to whoever asked for the mount and says whether
@@ -475,7 +636,7 @@ def run(
     Must run on the main thread (it handles SIGTERM, SIGINT and SIGHUP)."""
     raise_open_file_limit()
     memory.tune()
-    server = MountServer(ref, mountpoint, config, launch, sent_at)
+    server = MountServer(ref, mountpoint, config, launch, sent_at, adopt, log_level)
     # Installed before the FUSE threads start: they inherit the main thread's handling.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, server.request_stop)
@@ -523,10 +684,22 @@ def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") 
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    ready_file = os.fdopen(ready_fd, "w") if ready_fd >= 0 else None
+    if "config" not in request:  # a successor that keeps its predecessor's configuration
+        try:
+            request = {**holder.last_request(Path(request["mount_dir"])), **request}
+        except holder.HolderError as e:
+            if ready_file is not None:
+                with contextlib.suppress(OSError):
+                    doc = {"ok": False, "type": "HandoverError", "error": str(e)}
+                    ready_file.write(json.dumps(doc) + "\n")
+                    ready_file.close()
+            return 3
     config = MountConfig.from_dict(request["config"])
-    ready_file = os.fdopen(ready_fd, "w")
 
     def ready(doc: dict[str, Any]) -> bool:
+        if ready_file is None:  # started by the mount's holder: nobody waits
+            return bool(doc.get("ok"))
         try:
             ready_file.write(json.dumps(doc) + "\n")
             ready_file.close()
@@ -535,13 +708,21 @@ def serve_request(request: dict[str, Any], ready_fd: int, launch: str = "exec") 
         return True
 
     return run(
-        request["ref"], Path(request["mountpoint"]), config, ready, launch, request.get("sent_at")
+        request["ref"],
+        Path(request["mountpoint"]),
+        config,
+        ready,
+        launch,
+        request.get("sent_at"),
+        adopt=bool(request.get("adopt")),
+        log_level=request.get("log_level", logging.INFO),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m snapshotter.mount.server --ready-fd N`` with the request (see
-    ``serve_request``) as JSON on stdin."""
+    ``serve_request``) as JSON on stdin; ``--ready-fd=-1``: nobody waits for readiness (a
+    successor the mount's holder started)."""
     from snapshotter.startup import skip_unused_imports
 
     skip_unused_imports()

@@ -5,12 +5,15 @@ mountpoint's absolute path), so any process can find, inspect and clean up a mou
 after its server died::
 
     state.json      the MountRecord (written atomically: temp file + rename)
-    control.sock    the server's control socket (stats, profile)
+    control.sock    the server's control socket (stats, profile, retire)
+    holder.sock     the holder's socket: the FUSE connection for a successor server
+    handover.lock   held by a successor while it takes the mount over
     fuse/           where the server's FUSE file system (one file, ``image``) is mounted
     server.log      the server's log
 
 A server is alive when its pid exists *and* has the start time recorded (so a recycled pid
-does not pass for it).
+does not pass for it); the same goes for the mount's holder (``snapshotter.mount.holder``):
+while it lives, a mount whose server died is being taken over, not dead.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 STATE_FILE = "state.json"
 CONTROL_SOCKET = "control.sock"
+HOLDER_SOCKET = "holder.sock"
+HANDOVER_LOCK = "handover.lock"
 FUSE_DIR = "fuse"
 LOG_FILE = "server.log"
 
@@ -61,6 +66,10 @@ class MountRecord:
     image_size: int = 0
     sector_count: int = 0
     metadata_sectors: int = 0
+    holder_pid: int = 0  # the process that keeps the FUSE connection for successors
+    holder_start: int = 0
+    fuse_init: dict[str, int] = field(default_factory=dict)  # what the kernel's INIT settled
+    servers: int = 1  # the servers this mount has had (1 + handovers)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -85,6 +94,11 @@ class MountRecord:
     def alive(self) -> bool:
         return process_start(self.pid) == self.pid_start
 
+    @property
+    def held(self) -> bool:
+        """Whether the mount's holder lives (its FUSE connection survives the server)."""
+        return bool(self.holder_pid) and process_start(self.holder_pid) == self.holder_start
+
 
 def process_start(pid: int) -> int | None:
     """Start time of process ``pid`` in clock ticks since boot, None if there is none (or it
@@ -102,7 +116,7 @@ def process_start(pid: int) -> int | None:
 
 def remove_mount_dir(directory: Path) -> None:
     """Remove a mount's state directory (its FUSE directory must be unmounted)."""
-    for name in (STATE_FILE, CONTROL_SOCKET):
+    for name in (STATE_FILE, CONTROL_SOCKET, HOLDER_SOCKET, HANDOVER_LOCK):
         with contextlib.suppress(FileNotFoundError):
             (directory / name).unlink()
     with contextlib.suppress(OSError):
