@@ -384,12 +384,16 @@ def mount_config(node: Containerd):  # noqa: ANN201
 
 
 def kill_mount_servers(node: Containerd) -> list[Path]:
-    """SIGKILL every live mount server of the daemon; returns their mount points."""
+    """SIGKILL every live mount server of the daemon and its holder (the holder first, or
+    it starts a successor; as deleting the DaemonSet's pod does); returns their mount
+    points."""
     from snapshotter.mount import api as mount_mod
 
     config = mount_config(node)
     live = [m for m in mount_mod.list_mounts(config) if m.alive]
     for m in live:
+        if m.held:
+            os.kill(m.holder_pid, signal.SIGKILL)
         os.kill(m.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while any(m.alive for m in mount_mod.list_mounts(config)) and time.monotonic() < deadline:

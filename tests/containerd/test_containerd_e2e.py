@@ -215,3 +215,102 @@ def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> No
         assert "mount gone, remounting" in node.snapshotter.log_text()
     finally:
         node.cleanup_namespace(CRI_NAMESPACE)
+
+
+HANDOVERS = 20  # of each kind
+
+
+def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
+    node: Containerd, lazy_image
+) -> None:
+    """A container reads its image's 48 MiB file in a loop (md5sum of the whole file, the
+    page cache dropped under it all the time so that the reads reach the mount server) while
+    the mount server is SIGKILLed 20 times (its holder starts a successor) and then replaced
+    20 times (``api.replace``, what ``snapshotter upgrade-mounts`` does): every pass of the
+    loop must succeed with the same digest."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    from snapshotter.mount import api as mount_mod
+    from snapshotter.mount import state
+
+    ref, _ = lazy_image
+    node.cri_pull(ref)
+    node.ctr("run", "-d", "--snapshotter", "lazyblock", ref, "reader", "/bin/sleep", "600",
+             namespace=CRI_NAMESPACE)  # fmt: skip
+    config = mount_config(node)
+    (mount,) = [m for m in mount_mod.list_mounts(config)
+                if (m.mountpoint / "app/data.bin").exists()]  # fmt: skip
+    assert mount.alive and mount.held
+    stop_dropping = threading.Event()
+
+    def drop_page_cache() -> None:  # the container's reads go down to FUSE
+        fd = os.open(mount.mountpoint / "app/data.bin", os.O_RDONLY)
+        try:
+            while not stop_dropping.wait(0.02):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    loop = ("while [ ! -e /tmp/stop ]; do s=$(busybox md5sum /app/data.bin 2>&1) "
+            "&& echo \"ok ${s%% *}\" || echo \"FAIL $s\"; done")  # fmt: skip
+    cmd = [node.flavour.binary("ctr"), "--address", str(node.address), "-n", CRI_NAMESPACE,
+           "task", "exec", "--exec-id", "loop", "reader", "/bin/sh", "-c", loop]  # fmt: skip
+    reader = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=node.flavour.env())  # fmt: skip
+    lines: list[tuple[float, str]] = []
+    collector = threading.Thread(
+        target=lambda: lines.extend((time.monotonic(), line.strip()) for line in reader.stdout),
+        daemon=True,
+    )
+    collector.start()
+    dropper = threading.Thread(target=drop_page_cache, daemon=True)
+    dropper.start()
+    try:
+
+        def passes_after(n: int, timeout: float = 60) -> None:
+            want, deadline = len(lines) + n, time.monotonic() + timeout
+            while len(lines) < want:
+                assert time.monotonic() < deadline and reader.poll() is None, lines[-3:]
+                time.sleep(0.02)
+
+        passes_after(3)
+        directory = mount.state_dir
+        for _ in range(HANDOVERS):
+            pid = state.MountRecord.load(directory).pid
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not ((r := state.MountRecord.load(directory)) and r.pid != pid and r.alive):
+                assert time.monotonic() < deadline, "no successor"
+                time.sleep(0.01)
+            passes_after(1)
+        for _ in range(HANDOVERS):
+            old = state.MountRecord.load(directory).pid
+            info = mount_mod.replace(mount.mountpoint, config)
+            assert info.pid != old
+            passes_after(1)
+        passes_after(2)
+    finally:
+        stop_dropping.set()
+        node.ctr("task", "exec", "--exec-id", "stop", "reader", "/bin/sh", "-c",
+                 "echo > /tmp/stop", namespace=CRI_NAMESPACE, check=False)  # fmt: skip
+        try:
+            reader.wait(60)
+        finally:
+            collector.join(10)
+            node.cleanup_namespace(CRI_NAMESPACE)
+    digests = {line for _, line in lines}
+    failed = [line for _, line in lines if not line.startswith("ok ")]
+    gaps = [b - a for (a, _), (b, _) in zip(lines, lines[1:], strict=False)]
+    typical = sorted(gaps)[len(gaps) // 2]
+    print(f"\ncontainer ({node.flavour.name}): {HANDOVERS} SIGKILLs + {HANDOVERS} replacements, "
+          f"{len(lines)} passes over the file, {len(failed)} failed, {len(digests)} digest(s); "
+          f"pass took median {typical:.3f}s, longest {max(gaps):.3f}s")  # fmt: skip
+    assert failed == [] and len(digests) == 1
+    stats = mount_mod.stats(mount.mountpoint, config)
+    assert stats["handover"]["servers"] == 2 * HANDOVERS + 1
+    # The passes reached FUSE: the last server alone (2 passes at least) answered this much.
+    print(f"last server: {stats['fetch']['read_bytes']} bytes read through FUSE")
+    assert stats["fetch"]["read_bytes"] >= BIG // 2
