@@ -85,6 +85,8 @@ T = TypeVar("T")
 EROFS_FILE_OPTIONS = ("directio", "")
 # The kernel's default read-ahead (KiB), all a file-backed erofs mount ever uses.
 DEFAULT_READ_AHEAD_KB = 128
+# How often a server checks that its mount's holder lives (and starts a new one if not).
+HOLDER_CHECK_INTERVAL = 5.0
 
 
 class MountServer:
@@ -268,6 +270,18 @@ class MountServer:
             return
         self._holder_start = state.process_start(self.holder_pid) or 0
 
+    def _keep_holder(self) -> None:
+        """Start a new holder if this mount's holder died (killed, OOM) while its server
+        lives, so that the mount survives this server too."""
+        if not self.holder_pid or self.retiring.is_set() or self.stop_requested.is_set():
+            return
+        if state.process_start(self.holder_pid) == self._holder_start:
+            return
+        log.warning("the holder %d of %s is gone; starting a new one", self.holder_pid,
+                    self.mountpoint)  # fmt: skip
+        self._start_holder()
+        self._save("ready")
+
     def _adopt(self) -> None:
         """Take the live mount at ``mountpoint`` over (see the module docstring)."""
         cfg = self.config
@@ -402,12 +416,16 @@ class MountServer:
         assert self.fetcher is not None and self._fuse_thread is not None
         metrics = self.fetcher.metrics
         trimmer = memory.Trimmer()
+        next_holder_check = time.monotonic() + HOLDER_CHECK_INTERVAL
         while self._fuse_thread.is_alive():
             if self.stop_requested.wait(0.2):
                 log.info("stopping: unmounting %s", self.mountpoint)
                 self.unmount()
                 self._fuse_thread.join(10)
                 break
+            if time.monotonic() >= next_holder_check:
+                next_holder_check = time.monotonic() + HOLDER_CHECK_INTERVAL
+                self._keep_holder()
             work = metrics.read_bytes.value + metrics.bytes_fetched.value
             if trimmer.due(work, time.monotonic()):
                 self.fetcher.release_buffers()

@@ -220,8 +220,9 @@ def test_replaced_server_hands_over_with_no_failed_read(backing, config, image, 
 
 
 def test_upgrade_mounts_cli_and_a_mount_without_holder(config, image, tmp_path) -> None:  # noqa: ANN001
-    """``snapshotter upgrade-mounts`` replaces every live server; a mount whose holder is
-    gone cannot be replaced (one line, exit 1) and keeps its server."""
+    """``snapshotter upgrade-mounts`` replaces every live server; a mount without a holder
+    (as a version before holders recorded it) cannot be replaced (one line, exit 1) and
+    keeps its server."""
     ref, files = image
     mnt, cfg = _mount(ref, tmp_path, config, "file")
     args = ["--state-dir", str(cfg.state_dir), "--cache-dir", str(cfg.cache_dir)]
@@ -230,10 +231,34 @@ def test_upgrade_mounts_cli_and_a_mount_without_holder(config, image, tmp_path) 
     new = api.list_mounts(cfg)[0]
     assert f"pid {old.pid} -> {new.pid}" in out and new.alive and new.servers == 2
     assert (mnt / "data/f3.bin").read_bytes() == files["data/f3.bin"]
-    status = snapshotter("status", *args).stdout
-    assert "[ready]" in status
+    assert "[ready]" in snapshotter("status", *args).stdout
 
-    os.kill(new.holder_pid, signal.SIGKILL)
+    directory = state.mount_dir(cfg.state_dir, mnt)
+    record = state.MountRecord.load(directory)
+    replace(record, holder_pid=0, holder_start=0).save(directory)
     res = snapshotter("upgrade-mounts", str(mnt), *args, check=False)
     assert res.returncode == 1 and "HandoverError" in res.stderr and "no holder" in res.stderr
     assert api.list_mounts(cfg)[0].pid == new.pid and api.list_mounts(cfg)[0].alive
+    record.save(directory)
+
+
+def test_a_killed_holder_is_restarted_by_its_server(config, image, tmp_path) -> None:  # noqa: ANN001
+    """The holder SIGKILLed: the live server starts a new one, and the mount then survives
+    a SIGKILL of its server as before."""
+    ref, files = image
+    mnt, cfg = _mount(ref, tmp_path, config, "file")
+    first = api.list_mounts(cfg)[0]
+    os.kill(first.holder_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not ((m := api.list_mounts(cfg)[0]).held and m.holder_pid != first.holder_pid):
+        assert time.monotonic() < deadline, "no new holder"
+        time.sleep(0.05)
+    reader = Reader(mnt, files).start()
+    try:
+        reader.wait_reads(READS_BETWEEN)
+        os.kill(first.pid, signal.SIGKILL)
+        _wait_served(mnt, cfg, first.pid)
+        reader.wait_reads(READS_BETWEEN)
+    finally:
+        reader.stop()
+    assert (reader.failed, reader.wrong) == (0, 0), reader.errors[:5]
