@@ -225,9 +225,10 @@ def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
 ) -> None:
     """A container reads its image's 48 MiB file in a loop (md5sum of the whole file, the
     page cache dropped under it all the time so that the reads reach the mount server) while
-    the mount server is SIGKILLed 20 times (its holder starts a successor) and then replaced
-    20 times (``api.replace``, what ``snapshotter upgrade-mounts`` does): every pass of the
-    loop must succeed with the same digest."""
+    the mount server is SIGKILLed 20 times (its holder starts a successor), the daemon is
+    restarted, and the mount server is replaced 20 times (``api.replace``, what ``snapshotter
+    upgrade-mounts`` does after an upgrade): every pass of the loop must succeed with the
+    same digest."""
     import os
     import signal
     import subprocess
@@ -286,6 +287,11 @@ def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
                 assert time.monotonic() < deadline, "no successor"
                 time.sleep(0.01)
             passes_after(1)
+        # The daemon restarted as systemd does it (KillMode=process: the daemon alone), as
+        # after a package upgrade, then the mount server replaced by the new version's.
+        node.snapshotter.restart()
+        _wait_reconnected(node)
+        passes_after(1)
         for _ in range(HANDOVERS):
             old = state.MountRecord.load(directory).pid
             info = mount_mod.replace(mount.mountpoint, config)
@@ -305,7 +311,8 @@ def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
     failed = [line for _, line in lines if not line.startswith("ok ")]
     gaps = [b - a for (a, _), (b, _) in zip(lines, lines[1:], strict=False)]
     typical = sorted(gaps)[len(gaps) // 2]
-    print(f"\ncontainer ({node.flavour.name}): {HANDOVERS} SIGKILLs + {HANDOVERS} replacements, "
+    print(f"\ncontainer ({node.flavour.name}): {HANDOVERS} SIGKILLs, a daemon restart, "
+          f"{HANDOVERS} replacements, "
           f"{len(lines)} passes over the file, {len(failed)} failed, {len(digests)} digest(s); "
           f"pass took median {typical:.3f}s, longest {max(gaps):.3f}s")  # fmt: skip
     assert failed == [] and len(digests) == 1
