@@ -28,7 +28,7 @@ ROOMS = (
      "snapshotter.startup", "snapshotter"),
 )  # fmt: skip
 IMAGETOOL_FOR_SNAPSHOTTER = ("imagetool.format", "imagetool.errors", "imagetool.stores",
-                             "imagetool.registry")  # fmt: skip
+                             "imagetool.registry", "imagetool.platforms")  # fmt: skip
 
 
 def module_name(path: Path) -> str:

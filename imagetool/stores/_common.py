@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from imagetool.errors import DigestMismatchError, NotFoundError, StoreError
-from imagetool.format import PLATFORM_INDEX_MEDIA_TYPE, Index, check_digest
-from imagetool.stores.refs import check_tag
-
-if TYPE_CHECKING:
-    from imagetool.stores.base import Store
+from imagetool.errors import DigestMismatchError, StoreError
+from imagetool.format import PLATFORM_INDEX_MEDIA_TYPE, check_digest
 
 # Read size when hashing or copying a local file.
 COPY_CHUNK = 4 << 20
@@ -48,29 +43,6 @@ def verify_source(digest: str, source: Path | bytes, where: str) -> None:
         raise StoreError(f"{where}: cannot read {source}: {e.strerror or e}") from None
     if actual != digest:
         raise DigestMismatchError(f"{where}: content hashes to {actual}, not {digest}")
-
-
-def check_publishable(store: Store, tag: str | None, index_bytes: bytes) -> Index:
-    """Validate a publish: a good tag (None: an untagged image, ``Store.put_image``), a
-    well-formed index, its data blobs present in full."""
-    if tag is not None:
-        check_tag(tag)
-    index = Index.from_bytes(index_bytes)
-    what = f"{store.name}:{tag}" if tag is not None else f"the {index.platform} image"
-    for blob in index.blobs:
-        try:
-            size = store.blob_size(blob.digest)
-        except NotFoundError:
-            raise NotFoundError(
-                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
-                "is not in the store (put it first)"
-            ) from None
-        if size != blob.size:
-            raise StoreError(
-                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
-                f"has {size} bytes, the index says {blob.size}"
-            )
-    return index
 
 
 def ref_line(digest: str, media_type: str = "") -> bytes:

@@ -22,10 +22,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from imagetool.errors import DigestMismatchError, FormatError, NotFoundError, StoreError
+from imagetool.format import (
+    INDEX_MEDIA_TYPES,
+    MAX_PLATFORM_INDEX_BYTES,
+    PLATFORM_INDEX_MEDIA_TYPE,
+    Index,
+    PlatformEntry,
+    index_media_type,
+    is_platform_index,
+    parse_platform_index,
+    platform_index_bytes,
+    sha256_digest,
+)
+from imagetool.platforms import Platform, default_platform, select_platform
+from imagetool.stores.refs import ImageRef, check_tag
+
 if TYPE_CHECKING:
-    from imagetool.format import PlatformEntry
     from imagetool.registry.hosts import HostsConfig
-    from imagetool.stores.refs import ImageRef
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,6 @@ class RangeBody(ABC):
     def readinto(self, out: memoryview) -> None:
         """Fill ``out`` with the next ``len(out)`` bytes of the range; ``StoreError`` if the
         body ends first (store errors as ``read_range`` raises them)."""
-        from imagetool.errors import StoreError
 
         want = len(out)
         if self.position + want > self.length:
@@ -123,7 +136,6 @@ class Store(ABC):
     # --- blobs ----------------------------------------------------------------------------
 
     def has_blob(self, digest: str) -> bool:
-        from imagetool.errors import NotFoundError
 
         try:
             self.blob_size(digest)
@@ -148,8 +160,6 @@ class Store(ABC):
 
     def read_blob(self, digest: str) -> bytes:
         """A whole (small) blob, verified against its digest."""
-        from imagetool.errors import DigestMismatchError
-        from imagetool.format import sha256_digest
 
         memo = self.__dict__.pop("_read_memo", None)
         if memo is not None and memo[0] == digest:
@@ -191,7 +201,6 @@ class Store(ABC):
 
         Backends whose references carry another kind of digest (a registry's manifest
         digest) override this."""
-        from imagetool.format import PLATFORM_INDEX_MEDIA_TYPE
 
         digest, media_type = self.resolve_target(ref)
         if media_type != PLATFORM_INDEX_MEDIA_TYPE:
@@ -202,12 +211,6 @@ class Store(ABC):
         """(digest, media type) of what a reference names, a platform index not followed:
         a block image's index (media type "") or a platform index
         (``format.PLATFORM_INDEX_MEDIA_TYPE``)."""
-        from imagetool.errors import NotFoundError
-        from imagetool.format import (
-            MAX_PLATFORM_INDEX_BYTES,
-            PLATFORM_INDEX_MEDIA_TYPE,
-            is_platform_index,
-        )
 
         if ref.digest is None:
             return self.resolve_tag(ref.tag or "latest")
@@ -229,9 +232,6 @@ class Store(ABC):
 
     def _platform_image(self, digest: str, platform: str | None, where: str) -> str:
         """The index digest of ``platform``'s image in the platform index ``digest``."""
-        from imagetool.errors import FormatError
-        from imagetool.format import INDEX_MEDIA_TYPES, parse_platform_index
-        from imagetool.platforms import Platform, default_platform, select_platform
 
         entries = parse_platform_index(self.read_blob(digest), where)
         want = Platform.parse(platform or default_platform())
@@ -247,9 +247,6 @@ class Store(ABC):
         """Store a block image untagged (its data blobs already stored), for a platform
         index to name (``publish_index``); returns its entry there (the platform from the
         index). Here the entry is the image's index; a registry's is its manifest."""
-        from imagetool.format import PlatformEntry, index_media_type, sha256_digest
-        from imagetool.platforms import Platform
-        from imagetool.stores._common import check_publishable
 
         index = check_publishable(self, None, index_bytes)
         digest = sha256_digest(index_bytes)
@@ -260,12 +257,6 @@ class Store(ABC):
     def publish_index(self, tag: str, entries: list[PlatformEntry]) -> str:
         """Point ``name:tag`` at a platform index of images already stored (``put_image``);
         returns its digest. The commit point of a multi-platform conversion."""
-        from imagetool.format import (
-            PLATFORM_INDEX_MEDIA_TYPE,
-            platform_index_bytes,
-            sha256_digest,
-        )
-        from imagetool.stores.refs import check_tag
 
         check_tag(tag)
         data = platform_index_bytes(entries)
@@ -278,7 +269,6 @@ class Store(ABC):
 
     def _write_ref(self, tag: str, digest: str, media_type: str) -> None:
         """Point the tag at ``digest`` (a platform index when ``media_type`` says so)."""
-        from imagetool.errors import StoreError
 
         raise StoreError(f"{self.url}: this store cannot hold multi-platform images")
 
@@ -290,3 +280,26 @@ class Store(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_publishable(store: Store, tag: str | None, index_bytes: bytes) -> Index:
+    """Validate a publish: a good tag (None: an untagged image, ``Store.put_image``), a
+    well-formed index, its data blobs present in full."""
+    if tag is not None:
+        check_tag(tag)
+    index = Index.from_bytes(index_bytes)
+    what = f"{store.name}:{tag}" if tag is not None else f"the {index.platform} image"
+    for blob in index.blobs:
+        try:
+            size = store.blob_size(blob.digest)
+        except NotFoundError:
+            raise NotFoundError(
+                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
+                "is not in the store (put it first)"
+            ) from None
+        if size != blob.size:
+            raise StoreError(
+                f"{store.url}: cannot publish {what}: data blob {blob.digest} "
+                f"has {size} bytes, the index says {blob.size}"
+            )
+    return index

@@ -23,13 +23,12 @@ from pathlib import Path
 from imagetool.errors import NotFoundError, StoreError
 from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.stores._common import (
-    check_publishable,
     check_range,
     parse_ref_line,
     ref_line,
     verify_source,
 )
-from imagetool.stores.base import RangeBody, Store
+from imagetool.stores.base import RangeBody, Store, check_publishable
 from imagetool.stores.refs import check_name_component, check_tag
 
 log = logging.getLogger(__name__)

@@ -60,8 +60,8 @@ from imagetool.format import (
 )
 from imagetool.platforms import Platform, default_platform, select_platform
 from imagetool.registry.mirrors import HostChain
-from imagetool.stores._common import check_publishable, check_range
-from imagetool.stores.base import RangeBody, Store, StoreOptions
+from imagetool.stores._common import check_range
+from imagetool.stores.base import RangeBody, Store, StoreOptions, check_publishable
 from imagetool.stores.refs import ImageRef, check_tag
 
 log = logging.getLogger(__name__)

@@ -42,13 +42,12 @@ from imagetool.errors import AuthError, NotFoundError, StoreError, StoreTimeoutE
 from imagetool.format import check_digest, index_media_type, sha256_digest
 from imagetool.registry.ranged import DirectBody, RangeClient, RangeResponse
 from imagetool.stores._common import (
-    check_publishable,
     check_range,
     parse_ref_line,
     ref_line,
     verify_source,
 )
-from imagetool.stores.base import RangeBody, Store, StoreOptions
+from imagetool.stores.base import RangeBody, Store, StoreOptions, check_publishable
 from imagetool.stores.refs import check_name_component, check_tag
 
 log = logging.getLogger(__name__)
