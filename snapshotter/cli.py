@@ -351,6 +351,25 @@ def serve(verbose: int, config) -> None:  # noqa: ANN001
 
 
 @cli.command()
+@click.option("--listen", type=click.Path(dir_okay=False, path_type=Path),
+              help="Its Unix socket [default: <state.dir>/launcher.sock].")  # fmt: skip
+@_config_options
+def launcher(listen: Path | None, config) -> None:  # noqa: ANN001
+    """Start mount servers for daemons in pods: the node launcher (runs until stopped).
+
+    Run it as a node service (systemd/lazyblock-launcher.service), outside any pod: the
+    mount servers it starts live in its cgroup and namespaces, so deleting or updating the
+    daemon's pod does not kill them. It exits when lazyblock's code changes on disk, for
+    the service manager to start the new one."""
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    from snapshotter.mount import launcher as node_launcher
+
+    path = listen or node_launcher.default_socket(config.mount.state_dir)
+    sys.exit(node_launcher.serve(path))
+
+
+@cli.command()
 @click.argument("ref")
 @click.option("-a", "--address", type=click.Path(dir_okay=False, path_type=Path),
               default="/run/containerd/containerd.sock", show_default=True,

@@ -8,7 +8,7 @@ Every key is documented in ``deploy/config.toml.example``.
 
     [cache]     dir, size                                   -> MountConfig.cache_*
     [state]     dir                                         -> MountConfig.state_dir
-    [mount]     backing, timeout, memory_sectors, read_timeout
+    [mount]     backing, timeout, memory_sectors, read_timeout, launcher
     [prefetch]  enabled, background_fetch, bandwidth, batch_sectors, max_cache_fraction,
                 stream_fraction
     [fetch]     max_parallel, max_parallel_prefetch, request_timeout, retries, backoff_base,
@@ -240,6 +240,11 @@ class MountConfig:
     registry blobs are read from first. Read when the configuration is loaded, into
     ``store.registry_hosts``; ``snapshotter serve`` reads it again when it changes. None:
     the registries alone."""
+    launcher: str = "auto"
+    """Who starts the mount servers (``snapshotter.mount.launcher``): a node launcher's
+    socket path (always asked first; when it cannot be used the mount falls back to this
+    process's context, with a warning and ``lazyblock_launcher_fallbacks_total``), ``auto``
+    (``<state_dir>/launcher.sock`` when that socket exists) or ``off`` (never)."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
     store: StoreOptions = field(default_factory=StoreOptions)
 
@@ -457,6 +462,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "mount.read_timeout": (_opt_float, "m.read_timeout"),
     "mount.readahead": (parse_size, "m.readahead_bytes"),
     "mount.kernel_read_ahead_kb": (_int, "m.kernel_read_ahead_kb"),
+    "mount.launcher": (lambda v: str(v).strip(), "m.launcher"),
     "prefetch.enabled": (_bool, "m.prefetch"),
     "prefetch.background_fetch": (_auto_bool, "m.background_fetch"),
     "prefetch.stream_fraction": (_float, "m.prefetch_stream_fraction"),

@@ -17,7 +17,9 @@ Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``stall_seconds_total{why=late|missing}`` (seconds readers waited on the network, for
 sectors read ahead or prefetched too late / for sectors nobody had asked for), ``cache_bytes``,
 ``cache_entries``, ``cache_capacity_bytes``, ``remount_failures_total{reason=auth|other}``
-(the daemon's, from the file it keeps under the state directory). Where a hosts directory
+(the daemon's, from the file it keeps under the state directory),
+``launcher_fallbacks_total{reason=unreachable|refused}`` (mount servers started in the
+caller's context because the node launcher could not be used). Where a hosts directory
 gives a registry mirrors, per host (labels ``source``, its API root, and ``role``, mirror or
 server):
 ``source_requests_total{outcome=ok|error|timeout|not_found|rejected}``,
@@ -43,6 +45,9 @@ from snapshotter.cache.sectors import cache_usage
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_remount_failures
+
+# launcher.FALLBACKS_FILE (not imported: the exporter needs nothing of the mount code)
+LAUNCHER_FALLBACKS_FILE = "launcher-fallbacks.json"
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +164,17 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     for reason in sorted({"auth", "other", *counts}):
         failures.add_metric([reason], counts.get(reason, 0))
     yield failures
+    fallbacks = CounterMetricFamily(
+        p + "launcher_fallbacks",
+        "Mount servers started in the caller's context because the node launcher "
+        "([mount] launcher) was unreachable or refused (other code, other directories): "
+        "they die with the daemon's pod.",
+        labels=["reason"],
+    )
+    counts = read_remount_failures(config.state_dir / LAUNCHER_FALLBACKS_FILE)
+    for reason in sorted({"unreachable", "refused", *counts}):
+        fallbacks.add_metric([reason], counts.get(reason, 0))
+    yield fallbacks
 
 
 def _sources(all_stats: list[dict[str, Any]]) -> Iterator[Metric]:

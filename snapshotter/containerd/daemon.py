@@ -28,7 +28,7 @@ from snapshotter.containerd.handshake import RemoteLayers
 from snapshotter.containerd.keychain.cri import start_image_service
 from snapshotter.containerd.service import start_server
 from snapshotter.containerd.snapshots import SnapshotStore
-from snapshotter.mount import forkserver
+from snapshotter.mount import forkserver, launcher
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def serve(config: Config) -> None:
     remote = RemoteLayers.create(config)
     store = SnapshotStore(service.root, mounter=remote.mounter)
     remote.attach(store)
-    _warm_fork_server()
+    _warm_fork_server(config)
     # The CRI credentials of the images mounted before this start, from their mount
     # servers (memory only), so that what must be remounted authenticates as before.
     recovered = remote.recover_credentials()
@@ -66,7 +66,8 @@ def serve(config: Config) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if service.remount_interval > 0:
         threading.Thread(
-            target=_remount_periodically, args=(remote, service.remount_interval, stop),
+            target=_remount_periodically,
+            args=(remote, service.remount_interval, stop, config),
             name="lazyblock-remount", daemon=True,
         ).start()  # fmt: skip
     stop.wait()
@@ -79,18 +80,52 @@ def serve(config: Config) -> None:
     store.close()
 
 
-def _warm_fork_server() -> None:
+_launcher_seen: list[str] = [""]  # what the last check logged about the node launcher
+
+
+def _warm_fork_server(config: Config) -> None:
     """Have a fork server (imports done) ready, so that the node's first lazy mount also
-    takes a fraction of a second; it idles out on its own, so the periodic check renews it."""
+    takes a fraction of a second; it idles out on its own, so the periodic check renews it.
+    With a node launcher (``[mount] launcher``) mounts go there and this daemon needs none,
+    unless the launcher is gone: then mount servers start in the daemon's context, which a
+    pod's deletion kills (warned once per change; mounts count it)."""
+    mount = config.mount
+    path = launcher.resolve(mount.launcher, mount.state_dir)
+    if path is not None:
+        try:
+            info = launcher.hello(path)
+        except launcher.LauncherError as e:
+            seen = f"gone: {e}"
+            if _launcher_seen[0] != seen:
+                log.warning("node launcher %s: %s; mount servers start in this daemon's "
+                            "context and will not outlive it", path, e)  # fmt: skip
+            _launcher_seen[0] = seen
+        else:
+            seen = f"{info.get('pid')} {info.get('code')}"
+            if _launcher_seen[0] != seen:
+                ours = launcher.code_version()
+                if info.get("code") == ours:
+                    log.info("mount servers are started by the node launcher %s (pid %s, "
+                             "lazyblock %s, code %s)", path, info.get("pid"),
+                             info.get("version"), ours)  # fmt: skip
+                else:
+                    log.warning("node launcher %s runs other code (%s, ours %s): mount "
+                                "servers start in this daemon's context until it is "
+                                "replaced", path, info.get("code"), ours)  # fmt: skip
+            _launcher_seen[0] = seen
+            if info.get("code") == launcher.code_version():
+                return
     try:
         forkserver.ensure_running()
     except forkserver.ForkServerError as e:
         log.warning("no fork server; mounts start new processes: %s", e)
 
 
-def _remount_periodically(remote: RemoteLayers, interval: float, stop: threading.Event) -> None:
+def _remount_periodically(
+    remote: RemoteLayers, interval: float, stop: threading.Event, config: Config
+) -> None:
     while not stop.wait(interval):
-        _warm_fork_server()
+        _warm_fork_server(config)
         try:
             remote.restore()
         except Exception:  # keep checking; restore logs per snapshot

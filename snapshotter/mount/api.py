@@ -51,7 +51,7 @@ from imagetool.errors import InvalidReferenceError
 from imagetool.stores.refs import absolute_ref
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
-from snapshotter.mount import control, forkserver, handover, kernel, state
+from snapshotter.mount import control, forkserver, handover, kernel, launcher, state
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,13 @@ def mount(
     try:
         with open(directory / state.LOG_FILE, "ab") as logf:
             server = _start_server(
-                request, logf.fileno(), write_end, fork_server, fork_self, close=(read_end,)
+                request,
+                logf.fileno(),
+                write_end,
+                fork_server,
+                fork_self,
+                close=(read_end,),
+                launcher_at=launcher.resolve(config.launcher, config.state_dir),
             )
         os.close(write_end)
         write_end = -1
@@ -292,12 +298,20 @@ def _reap(pid: int) -> None:
 
 def _start_server(
     request: dict[str, Any], log_fd: int, ready_fd: int, fork: bool, fork_self: bool,
-    close: tuple[int, ...],
+    close: tuple[int, ...], launcher_at: Path | None = None,
 ) -> _Server:  # fmt: skip
     """Start the mount server for ``request``, detached, logging to ``log_fd`` and reporting
-    readiness on ``ready_fd``: forked by the fork server if it can, else (``fork_self``) by
-    forking this process, else as a new interpreter. ``close``: descriptors of ours that
-    the server must not keep."""
+    readiness on ``ready_fd``: by the node launcher at ``launcher_at`` if one is given and
+    it can (``snapshotter.mount.launcher``), else forked by the fork server if it can, else
+    (``fork_self``) by forking this process, else as a new interpreter. ``close``:
+    descriptors of ours that the server must not keep."""
+    if launcher_at is not None:
+        try:
+            return _Server(None, launcher.spawn(launcher_at, request, log_fd, ready_fd))
+        except launcher.LauncherError as e:
+            log.warning("%s; starting the mount server of %s in this process's context (it "
+                        "will not outlive it)", e, request["mountpoint"])  # fmt: skip
+            launcher.count_fallback(Path(request["config"]["state_dir"]), e.reason)
     unavailable = False
     if fork:
         try:
