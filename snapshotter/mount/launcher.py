@@ -160,11 +160,16 @@ def code_version() -> str:
 
 
 def _identity(path: str | Path) -> list[int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino]
+    """Device and inode of ``path``, or of its nearest existing ancestor (a cache directory
+    not made yet) with how many levels up that is."""
+    path = Path(os.path.abspath(path))
+    for up, candidate in enumerate([path, *path.parents]):
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        return [st.st_dev, st.st_ino, up]
+    return None
 
 
 def _checked_paths(request: dict[str, Any]) -> list[str]:
