@@ -251,3 +251,72 @@ def _passes(out: Path) -> list[tuple[float, float, str]]:
             result = parts[2].split()[0] if parts[2].endswith("/app/data.bin") else parts[2]
             passes.append((float(parts[0]), float(parts[1]), result))
     return passes
+
+
+def test_daemon_falls_back_when_the_launcher_dies(
+    tmp_path: Path, registry: Registry, flavour: Flavour, pod_image: tuple[str, str]
+) -> None:
+    """``[mount] launcher`` names the node launcher, which dies: the mount servers it started
+    live on; a mount the daemon then needs (here: a remount after a mount server was
+    killed) is made in the daemon's own context, with a warning in its log and
+    ``lazyblock_launcher_fallbacks_total{reason="unreachable"}``, and containers run."""
+    from snapshotter.metrics import read_remount_failures
+    from snapshotter.prometheus import exposition
+
+    ref, _ = pod_image
+    daemon = SnapshotterDaemon(tmp_path / "lazyblock", registry.host,
+                               {"remount_interval": "1"})  # fmt: skip
+    socket_path = tmp_path / "launcher" / "launcher.sock"
+    with open(daemon.config, "a") as f:
+        f.write(f'[mount]\nlauncher = "{socket_path}"\n')
+    mount = load_config(daemon.config).mount
+    node_launcher = subprocess.Popen(
+        [sys.executable, "-m", "snapshotter", "launcher", "--config", str(daemon.config),
+         "--listen", str(socket_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    containerd: Containerd | None = None
+    try:
+        wait_for(socket_path, node_launcher, "node launcher")
+        daemon.start()
+        (tmp_path / "containerd").mkdir()
+        containerd = Containerd(tmp_path / "containerd", daemon, registry.host, flavour)
+        containerd.cri_pull(ref)
+        run = ["run", "--rm", "--snapshotter", "lazyblock", ref]
+        assert containerd.ctr(*run, "first", namespace=CRI_NAMESPACE).stdout == (
+            "hello from lazyblock\n"
+        )
+        first = {m.mountpoint: m.pid for m in mount_api.list_mounts(mount) if m.alive}
+        assert all(_ns(str(pid)) == _ns("self") for pid in first.values())
+        assert not (mount.state_dir / launcher.FALLBACKS_FILE).exists()
+        node_launcher.kill()
+        node_launcher.wait()
+        # Its mount servers were not its children in any way that matters: they live on.
+        assert alive_at(containerd, list(first))
+        victim, pid = next(iter(first.items()))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not alive_at(containerd, list(first)):
+            assert time.monotonic() < deadline, daemon.log_text()[-3000:]
+            time.sleep(0.2)
+        assert containerd.ctr(*run, "second", namespace=CRI_NAMESPACE).stdout == (
+            "hello from lazyblock\n"
+        )
+        log = daemon.log_text()
+        assert "cannot reach the node launcher" in log
+        assert "will not outlive it" in log
+        counts = read_remount_failures(mount.state_dir / launcher.FALLBACKS_FILE)
+        assert counts.get("unreachable", 0) >= 1
+        text = exposition(mount).decode()
+        assert 'lazyblock_launcher_fallbacks_total{reason="unreachable"}' in text
+        print(f"\nfallbacks counted: {counts}")
+    finally:
+        try:
+            if containerd is not None:
+                containerd.stop()
+        finally:
+            daemon.stop()
+            _unmount_lazyblock(daemon)
+            node_launcher.kill()
+            node_launcher.wait()
+            unmount_under(tmp_path)

@@ -286,3 +286,39 @@ def test_the_launcher_refuses_other_code_and_other_directories(
     counts = read_remount_failures(config.state_dir / launcher.FALLBACKS_FILE)
     assert counts == {"refused": 1}
     api.unmount(mountpoint, config)
+
+
+def test_a_launcher_is_replaced_when_its_code_changes(
+    config: MountConfig, random_ref: str, node_launcher: subprocess.Popen, tmp_path: Path
+) -> None:
+    """Installing a new release on the node changes the launcher's source files: it exits
+    (for the service manager to start the new code), and the mount servers it started
+    live on and are found by the next launcher's callers."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    info = api.mount(random_ref, mountpoint, config)
+    before = launcher.hello(launcher.default_socket(config.state_dir))
+    source = Path(launcher.__file__)
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        assert node_launcher.wait(launcher.STALE_CHECK_INTERVAL + 10) == 0
+    finally:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    drop_caches()
+    assert (mountpoint / "data/part-2.bin").read_bytes() == FILES["data/part-2.bin"]
+    assert api.list_mounts(config)[0].pid == info.pid and api.list_mounts(config)[0].alive
+    path = launcher.default_socket(config.state_dir)
+    replacement = start_launcher(path, tmp_path / "launcher2.log")
+    try:
+        after = launcher.hello(path)
+        assert after["pid"] != before["pid"] and after["code"] == before["code"]
+        other = tmp_path / "mnt2"
+        other.mkdir()
+        second = api.mount(random_ref, other, config)
+        assert f"pid {second.pid}" in (tmp_path / "launcher2.log").read_text()
+        api.unmount(other, config)
+    finally:
+        replacement.kill()
+        replacement.wait()
+    api.unmount(mountpoint, config)
