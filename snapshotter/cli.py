@@ -353,8 +353,11 @@ def serve(verbose: int, config) -> None:  # noqa: ANN001
 @cli.command()
 @click.option("--listen", type=click.Path(dir_okay=False, path_type=Path),
               help="Its Unix socket [default: <state.dir>/launcher.sock].")  # fmt: skip
+@click.option("--check", is_flag=True,
+              help="Do not serve: say whether a launcher of this code listens (exit 0) or "
+                   "not (exit 1).")  # fmt: skip
 @_config_options
-def launcher(listen: Path | None, config) -> None:  # noqa: ANN001
+def launcher(listen: Path | None, check: bool, config) -> None:  # noqa: ANN001
     """Start mount servers for daemons in pods: the node launcher (runs until stopped).
 
     Run it as a node service (systemd/lazyblock-launcher.service), outside any pod: the
@@ -366,6 +369,17 @@ def launcher(listen: Path | None, config) -> None:  # noqa: ANN001
     from snapshotter.mount import launcher as node_launcher
 
     path = listen or node_launcher.default_socket(config.mount.state_dir)
+    if check:
+        ours = node_launcher.code_version()
+        try:
+            info = node_launcher.hello(path)
+        except node_launcher.LauncherError as e:
+            click.echo(f"no launcher: {e}")
+            sys.exit(1)
+        same = info.get("code") == ours
+        click.echo(f"launcher pid {info.get('pid')}, lazyblock {info.get('version')}, code "
+                   f"{info.get('code')} ({'ours' if same else f'ours is {ours}'})")  # fmt: skip
+        sys.exit(0 if same else 1)
     sys.exit(node_launcher.serve(path))
 
 

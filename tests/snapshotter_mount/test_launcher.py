@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mountimages as images
 import pytest
-from mounthelp import drop_caches
+from mounthelp import drop_caches, snapshotter
 from ocibuild import TarEntry, make_layer_tar
 from support import require_tool
 
@@ -313,6 +313,8 @@ def test_a_launcher_is_replaced_when_its_code_changes(
     try:
         after = launcher.hello(path)
         assert after["pid"] != before["pid"] and after["code"] == before["code"]
+        check = snapshotter("launcher", "--check", "--listen", str(path))
+        assert f"launcher pid {after['pid']}" in check.stdout and "(ours)" in check.stdout
         other = tmp_path / "mnt2"
         other.mkdir()
         second = api.mount(random_ref, other, config)
