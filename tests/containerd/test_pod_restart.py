@@ -46,9 +46,17 @@ CYCLES = 20
 
 
 class PodDaemon(SnapshotterDaemon):
-    """The daemon as a pod: in its own PID namespace, killed as Kubernetes kills a pod."""
+    """The daemon as a pod: in its own PID namespace and, where the kernel has cgroup v2's
+    ``cgroup.kill``, its own cgroup; killed as Kubernetes kills a pod, alternately by its
+    PID namespace's init and by its cgroup."""
+
+    kills: dict[str, int]
+    cgroup: Path | None = None
 
     def start(self) -> None:
+        self.kills = getattr(self, "kills", {"pid-namespace": 0, "cgroup": 0})
+        self.cgroup = _pod_cgroup()
+        procs = self.cgroup / "cgroup.procs" if self.cgroup else None
         self.address.unlink(missing_ok=True)
         logf = open(self.log, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -56,6 +64,7 @@ class PodDaemon(SnapshotterDaemon):
              "--config", str(self.config), "--address", str(self.address),
              "--insecure-registry", self.insecure, "-v"],
             stdout=logf, stderr=logf, start_new_session=True, env=self.env,
+            preexec_fn=(lambda: procs.write_text("0")) if procs else None,
         )  # fmt: skip
         logf.close()
         wait_for(self.address, self.proc, "snapshotter daemon in its PID namespace")
@@ -66,15 +75,45 @@ class PodDaemon(SnapshotterDaemon):
         return int(children.read_text().split()[0])
 
     def stop(self) -> None:
-        """Delete the pod: SIGKILL its PID namespace's init; the kernel kills the rest."""
+        """Delete the pod: SIGKILL its PID namespace's init (the kernel kills the rest) or,
+        every other time, everything in its cgroup at once (``cgroup.kill``)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         namespace = os.readlink(f"/proc/{self.init_pid()}/ns/pid")
-        os.kill(self.init_pid(), signal.SIGKILL)
+        if self.cgroup is not None and self.kills["cgroup"] < self.kills["pid-namespace"]:
+            (self.cgroup / "cgroup.kill").write_text("1")
+            self.kills["cgroup"] += 1
+        else:
+            os.kill(self.init_pid(), signal.SIGKILL)
+            self.kills["pid-namespace"] += 1
         self.proc.wait(30)
-        # Nothing of the pod is left (the kernel has killed every process in it).
-        left = [p for p in os.listdir("/proc") if p.isdigit() and _ns(p) == namespace]
-        assert not left, f"processes of the killed pod remain: {left}"
+        # Nothing of the pod is left (the kernel kills every process in it, asynchronously).
+        deadline = time.monotonic() + 10
+        while left := [p for p in os.listdir("/proc") if p.isdigit() and _ns(p) == namespace]:
+            assert time.monotonic() < deadline, f"processes of the killed pod remain: {left}"
+            time.sleep(0.02)
+        if self.cgroup is not None:
+            deadline = time.monotonic() + 10
+            while (self.cgroup / "cgroup.procs").read_text().strip():
+                assert time.monotonic() < deadline, "the pod's cgroup is not empty"
+                time.sleep(0.02)
+            self.cgroup.rmdir()
+
+
+def _pod_cgroup() -> Path | None:
+    """A new cgroup v2 group for a pod, where this machine has one with ``cgroup.kill``."""
+    for root in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if (root / "cgroup.procs").exists() and (root / "cgroup.subtree_control").exists():
+            group = root / f"lazyblock-test-pod-{os.getpid()}-{time.monotonic_ns()}"
+            try:
+                group.mkdir()
+            except OSError:
+                return None
+            if (group / "cgroup.kill").exists():
+                return group
+            group.rmdir()
+            return None
+    return None
 
 
 def _ns(pid: str) -> str | None:
@@ -227,7 +266,8 @@ def test_pod_deletion_keeps_running_containers_reading(
     longest, median = durations[-1], durations[len(durations) // 2]
     served = sum(mount_api.stats(m, mount)["fetch"]["read_bytes"] for m in servers)
     log = daemon.log_text()
-    print(f"\n{CYCLES} pod deletions ({node.flavour.name}): {len(passes)} passes over the "
+    print(f"\n{CYCLES} pod deletions ({node.flavour.name}; killed by {daemon.kills}): "
+          f"{len(passes)} passes over the "
           f"48 MiB file in the container, {len(failed)} failed, {len(wrong)} wrong, longest "
           f"pass {longest:.2f} s (median {median:.2f} s); {served >> 20} MiB served by "
           "FUSE")  # fmt: skip
