@@ -192,6 +192,7 @@ def mount(
                 fork_self,
                 close=(read_end,),
                 launcher_at=launcher.resolve(config.launcher, config.state_dir),
+                state_dir=config.state_dir,
             )
         os.close(write_end)
         write_end = -1
@@ -298,20 +299,22 @@ def _reap(pid: int) -> None:
 
 def _start_server(
     request: dict[str, Any], log_fd: int, ready_fd: int, fork: bool, fork_self: bool,
-    close: tuple[int, ...], launcher_at: Path | None = None,
+    close: tuple[int, ...], launcher_at: Path | None = None, state_dir: Path | None = None,
 ) -> _Server:  # fmt: skip
     """Start the mount server for ``request``, detached, logging to ``log_fd`` and reporting
     readiness on ``ready_fd``: by the node launcher at ``launcher_at`` if one is given and
     it can (``snapshotter.mount.launcher``), else forked by the fork server if it can, else
     (``fork_self``) by forking this process, else as a new interpreter. ``close``:
-    descriptors of ours that the server must not keep."""
+    descriptors of ours that the server must not keep; ``state_dir``: where a fallback
+    from the launcher is counted."""
     if launcher_at is not None:
         try:
             return _Server(None, launcher.spawn(launcher_at, request, log_fd, ready_fd))
         except launcher.LauncherError as e:
             log.warning("%s; starting the mount server of %s in this process's context (it "
                         "will not outlive it)", e, request["mountpoint"])  # fmt: skip
-            launcher.count_fallback(Path(request["config"]["state_dir"]), e.reason)
+            if state_dir is not None:
+                launcher.count_fallback(state_dir, e.reason)
     unavailable = False
     if fork:
         try:
@@ -377,7 +380,10 @@ def replace(
     try:
         with open(directory / state.LOG_FILE, "ab") as logf:
             server = _start_server(request, logf.fileno(), write_end, fork_server, False,
-                                   close=(read_end,))  # fmt: skip
+                                   close=(read_end,),
+                                   launcher_at=launcher.resolve(config.launcher,
+                                                                config.state_dir),
+                                   state_dir=config.state_dir)  # fmt: skip
         os.close(write_end)
         write_end = -1
         answer = _read_ready(read_end, config.mount_timeout + STARTUP_SLACK)

@@ -174,8 +174,8 @@ def _identity(path: str | Path) -> list[int] | None:
 
 def _checked_paths(request: dict[str, Any]) -> list[str]:
     config = request.get("config") or {}
-    return [str(p) for p in (request.get("mountpoint"), config.get("state_dir"),
-                             config.get("cache_dir")) if p]  # fmt: skip
+    return [str(p) for p in (request.get("mountpoint"), request.get("mount_dir"),
+                             config.get("state_dir"), config.get("cache_dir")) if p]  # fmt: skip
 
 
 # --- the caller's side ---------------------------------------------------------------------

@@ -181,6 +181,8 @@ def test_mount_servers_outlive_the_pod(
     # Forked by the launcher, outside the pod's PID namespace.
     assert os.readlink(f"/proc/{server}/ns/pid") == os.readlink("/proc/self/ns/pid")
     assert os.readlink(f"/proc/{pod.init_pid()}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    # So is the holder of its FUSE connection, which the server started.
+    assert info.held and _ns(info.holder_pid) == _ns(os.getpid())
     kills = 0
     with Reader(mountpoint) as reader:
         time.sleep(1)
@@ -205,6 +207,41 @@ def test_mount_servers_outlive_the_pod(
     assert api.list_mounts(config)[0].pid == server
     log = (config.state_dir.parent / "launcher.log").read_text()
     assert f"pid {server}" in log
+
+
+def _ns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+REPLACE = """
+import json, sys, time
+from pathlib import Path
+from snapshotter.config import MountConfig
+from snapshotter.mount import api
+info = api.replace(Path(sys.argv[2]), MountConfig.from_dict(json.loads(sys.argv[1])))
+print(json.dumps({"replaced": info.pid}), flush=True)
+time.sleep(3600)  # the pod lives on until it is deleted
+"""
+
+
+def test_a_replacement_asked_from_the_pod_is_started_outside_it(
+    config: MountConfig, random_ref: str, node_launcher: subprocess.Popen, tmp_path: Path
+) -> None:
+    """``snapshotter upgrade-mounts`` run in the pod (``kubectl exec``): the new server is
+    the launcher's too, and the pod's deletion right after leaves it serving."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    first = api.mount(random_ref, mountpoint, config)
+    pod = Pod([sys.executable, "-c", REPLACE, json.dumps(config.to_dict()), str(mountpoint)],
+              tmp_path / "pod.log")  # fmt: skip
+    new = pod.first_line()["replaced"]
+    assert new != first.pid and _ns(new) == _ns(os.getpid())
+    pod.kill()
+    drop_caches()
+    assert (mountpoint / "data/part-3.bin").read_bytes() == FILES["data/part-3.bin"]
+    info = api.list_mounts(config)[0]
+    assert info.pid == new and info.alive and info.servers == 2
+    api.unmount(mountpoint, config)
 
 
 def test_without_a_launcher_the_mount_dies_with_the_pod(
