@@ -236,6 +236,9 @@ def test_pod_deletion_keeps_running_containers_reading(
         # Started by the launcher: outside the pod's PID namespace.
         pod_ns = os.readlink(f"/proc/{daemon.init_pid()}/ns/pid")
         assert all(_ns(str(pid)) != pod_ns for pid in servers.values())
+        holders = [m.holder_pid for m in mount_api.list_mounts(mount) if m.held]
+        assert len(holders) == len(servers)  # so are their holders, which they started
+        assert all(_ns(str(pid)) != pod_ns for pid in holders)
         deadline = time.monotonic() + 60
         while len(_passes(out)) < 3:  # the reader runs
             assert time.monotonic() < deadline, _passes(out)
@@ -297,8 +300,8 @@ def test_daemon_falls_back_when_the_launcher_dies(
     tmp_path: Path, registry: Registry, flavour: Flavour, pod_image: tuple[str, str]
 ) -> None:
     """``[mount] launcher`` names the node launcher, which dies: the mount servers it started
-    live on; a mount the daemon then needs (here: a remount after a mount server was
-    killed) is made in the daemon's own context, with a warning in its log and
+    live on; a mount the daemon then needs (here: a remount after a mount server and its
+    holder were killed) is made in the daemon's own context, with a warning in its log and
     ``lazyblock_launcher_fallbacks_total{reason="unreachable"}``, and containers run."""
     from snapshotter.metrics import read_remount_failures
     from snapshotter.prometheus import exposition
@@ -333,8 +336,11 @@ def test_daemon_falls_back_when_the_launcher_dies(
         node_launcher.wait()
         # Its mount servers were not its children in any way that matters: they live on.
         assert alive_at(containerd, list(first))
-        victim, pid = next(iter(first.items()))
-        os.kill(pid, signal.SIGKILL)
+        # A mount lost with its holder (a server alone is succeeded by its holder): the
+        # daemon remounts it, and must do so without the launcher.
+        victim = next(m for m in mount_api.list_mounts(mount) if m.alive)
+        os.kill(victim.holder_pid, signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not alive_at(containerd, list(first)):
             assert time.monotonic() < deadline, daemon.log_text()[-3000:]
