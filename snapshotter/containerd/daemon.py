@@ -9,7 +9,10 @@ the CRI image service that records the kubelet's pull credentials for the lazy m
 Restarts: the snapshot metadata is in SQLite under the root, and each lazily mounted image is
 served by its own mount server process (``snapshotter.mount``), not by this daemon. So
 stopping the daemon (SIGTERM, upgrade, crash) leaves running containers' file systems
-working; a new daemon finds the same snapshots and mounts. What does *not* survive is a
+working; a new daemon finds the same snapshots and mounts. Run in a pod, whose deletion kills
+every process in it, the daemon has its mount servers started by the node launcher outside
+the pod (``snapshotter.mount.launcher``, ``[mount] launcher``); while one of its code answers,
+the daemon starts no fork server of its own. What does *not* survive is a
 reboot or a killed mount server: the daemon remounts every remote snapshot whose mount is
 gone when it starts, every ``remount_interval`` seconds, and before a Prepare, View or Mounts
 hands out a chain that holds one (containers started before that point see EIO/ENOTCONN on
