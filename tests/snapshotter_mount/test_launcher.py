@@ -263,6 +263,13 @@ def test_without_a_launcher_the_mount_dies_with_the_pod(
     drop_caches()
     with pytest.raises(OSError):
         (mountpoint / "data/part-0.bin").read_bytes()
+    # The pod's mount server and holder recorded their pids as the pod's namespace numbers
+    # them, which this /proc (the host's) gives to other processes: mark them dead, so
+    # that the cleanup signals nothing (a real pod sees its own /proc, or uses hostPID).
+    directory = state.mount_dir(config.state_dir, mountpoint)
+    record = state.MountRecord.load(directory)
+    assert record is not None
+    dataclasses.replace(record, pid_start=-1, holder_start=-1).save(directory)
     assert not (config.state_dir / launcher.FALLBACKS_FILE).exists()  # nothing configured
 
 
