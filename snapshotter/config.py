@@ -174,8 +174,8 @@ class PrefetchConfig:
     cache holds them)."""
 
     stream_fraction: float = 0.25
-    """``AUTO``: stream the whole image once the mount has fetched this fraction of its
-    stored bytes (for any reader); see ``snapshotter.datapath.prefetch``."""
+    """``AUTO``: stream the whole image once the start has read this fraction of its stored
+    bytes (or its profile names that much); see ``snapshotter.datapath.prefetch``."""
 
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
@@ -210,7 +210,7 @@ class MountConfig:
     """Warm the cache with the image's profile (its ``prefetch`` list) after mounting."""
     background_fetch: bool | None = None
     """Then fetch the rest of the image too (bandwidth-capped by ``prefetch_bandwidth``):
-    True always, False never, None (``auto``) once the start has fetched
+    True always, False never, None (``auto``) once the start has read
     ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
     prefetch_stream_fraction: float = 0.25
     prefetch_bandwidth: int | None = None

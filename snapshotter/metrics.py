@@ -176,6 +176,8 @@ class MountMetrics:
         self.reads = Counter()  # read() calls
         self.read_bytes = Counter()  # bytes returned by read()
         self.memory_hits = Counter()  # sectors served from the reader's decoded LRU
+        # stored bytes of the sectors read so far (each once): what the workload needed
+        self.touched_stored_bytes = Counter()
         # prefetcher
         self.prefetched_sectors = Counter()  # sectors the prefetcher brought into the cache
         self.prefetch_errors = Counter()  # prefetch batches that failed

@@ -17,14 +17,16 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    beats fetching it in scattered on-demand pieces.
 
 ``PrefetchMode.AUTO`` (the default) decides the third step while the container starts: the
-whole image is streamed once the mount has fetched ``stream_fraction`` (a quarter) of the
-image's stored bytes, for whatever reason (on-demand reads, read-ahead, the profile). A
+whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
+image's stored bytes (the sectors its reads touched, each counted once; read-ahead and
+prefetch do not count: guesses must not feed guesses), or right after the profile when the
+profile alone names that share (it is what the start will read). A
 start that reads a quarter of an image reads most of it, in the images this is for: measured
 by the cold-start benchmark, an ML start (torch, then its weights) fetches 75-89 % of the
 image's stored bytes, a vLLM start 45-57 %; a start that reads a few files of a large image
 (a web app; the quickstart's 2 % of 270 MB) never gets there and fetches only what it reads.
-Without a profile this is what keeps the link busy between the workload's reads; with one,
-the profile's sectors count towards the share, and the rest follows them.
+Without a profile this is what keeps the link busy between the workload's reads; with one
+that names a quarter of the image, the rest follows the profile's sectors at once.
 
 All-zero sectors are never listed (they cost nothing to read).
 
@@ -210,21 +212,26 @@ class Prefetcher:
         return self._thread.is_alive()
 
     def _stream_when_read(self) -> bool:
-        """``AUTO``: wait (up to ``stream_watch`` seconds after the mount) until the mount has
-        fetched ``stream_fraction`` of the image's stored bytes, then add the rest of the image
-        to the plan; returns whether it did."""
+        """``AUTO``: unless the profile names ``stream_fraction`` of the image's stored bytes,
+        wait (up to ``stream_watch`` seconds after the mount) until the start has read that
+        share, then add the rest of the image to the plan; returns whether it did."""
         cfg, fetcher, index = self.config, self.fetcher, self.fetcher.index
         stored = sum(s.length for s in index.sectors)
         wanted = cfg.stream_fraction * stored
+        profiled = sum(index.sectors[n].length for n in dict.fromkeys(index.prefetch))
+        read = fetcher.metrics.touched_stored_bytes
         until = self._started + cfg.stream_watch
-        while fetcher.metrics.bytes_fetched.value < wanted:
+        while profiled < wanted and read.value < wanted:
             left = until - time.monotonic()
             if left <= 0 or self._stop.wait(min(STREAM_POLL_SECONDS, left)):
                 return False
         planned = set(self.sectors)
         rest = [n for n in plan(index, PrefetchMode.FULL) if n not in planned]
-        log.info("prefetch: %d of %d stored bytes fetched; streaming the other %d sectors",
-                 fetcher.metrics.bytes_fetched.value, stored, len(rest))  # fmt: skip
+        log.info(
+            "prefetch: the start read %d and the profile names %d of %d stored bytes; "
+            "streaming the other %d sectors",
+            read.value, profiled, stored, len(rest),
+        )  # fmt: skip
         self.streaming = True
         self.sectors += rest
         return True
@@ -243,7 +250,7 @@ class Prefetcher:
                 # Fill the window, in plan order.
                 while i < len(self.sectors) and len(pending) < window.size:
                     wanted = fetcher.missing(self.sectors[i : i + cfg.batch_sectors])
-                    i += cfg.batch_sectors
+                    i = min(i + cfg.batch_sectors, len(self.sectors))  # the plan may grow
                     if not wanted:
                         continue
                     # The cache holds sectors decoded; the link carries them compressed.

@@ -192,7 +192,9 @@ class BlockReader:
         parts: dict[int, memoryview] = {}
         with self._lock:
             for n in numbers:
-                self._touched.setdefault(n)
+                if n not in self._touched:
+                    self._touched[n] = None
+                    self.metrics.touched_stored_bytes.inc(index.sectors[n].length)
                 data = self._memory.get(n)
                 if data is not None:
                     # A sector whose every byte has been read has most likely been used up

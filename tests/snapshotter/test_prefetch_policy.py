@@ -20,6 +20,7 @@ from snapshotter.datapath.prefetch import (
     Window,
     plan,
 )
+from snapshotter.datapath.reader import BlockReader
 
 MakeFetcher = Callable[..., SectorFetcher]
 
@@ -136,21 +137,46 @@ def test_prefetcher_warms_the_cache(
     assert again.wait(10) and again.fetched == 0
 
 
-def test_auto_streams_the_image_once_the_start_has_fetched_its_share(
+def test_auto_streams_the_image_once_the_start_has_read_its_share(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
     fetcher = make_fetcher()
-    total = sum(s.length for s in image.index.sectors)
+    index = image.index
+    total = sum(s.length for s in index.sectors)
     cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=0.25, stream_watch=30)
     p = Prefetcher.for_mount(fetcher, cfg).start()
-    wait_until(lambda: fetcher.missing(plan(image.index, PrefetchMode.PROFILE)) == [])
+    wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
     assert p.running and not p.streaming  # the profile's sectors alone are not a quarter
-    for n in stored(image):  # a reader reads on until a quarter of the bytes came
-        if fetcher.metrics.bytes_fetched.value >= total / 4:
+    # Fetched but not read (read-ahead, another mount's prefetch): not the start's share.
+    ahead = [n for n in reversed(stored(image)) if n not in set(index.prefetch)]
+    for n in ahead:
+        if fetcher.metrics.bytes_fetched.value >= total / 2:
             break
         fetcher.get([n])
+    time.sleep(0.5)  # five of the prefetcher's looks
+    assert p.running and not p.streaming
+    reader = BlockReader(index, fetcher, readahead_bytes=0)
+    for n in stored(image):  # a reader reads on until it has read a quarter of the bytes
+        if fetcher.metrics.touched_stored_bytes.value >= total / 4:
+            break
+        start, size = index.sector_span(n)
+        reader.read(start, size)
     assert p.wait(10) and p.streaming
-    assert fetcher.missing(range(image.index.sector_count)) == []
+    assert fetcher.missing(range(index.sector_count)) == []
+
+
+def test_auto_streams_after_a_profile_that_names_the_share(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    index = image.index
+    total = sum(s.length for s in index.sectors)
+    profiled = sum(index.sectors[n].length for n in set(index.prefetch))
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=profiled / total)
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    assert p.wait(10) and p.streaming  # nothing was read: the profile says the start will
+    assert fetcher.metrics.touched_stored_bytes.value == 0
+    assert fetcher.missing(range(index.sector_count)) == []
 
 
 def test_auto_fetches_only_what_is_read_when_a_start_reads_little(
