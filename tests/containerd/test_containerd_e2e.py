@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import (
@@ -17,16 +18,19 @@ from harness import (
     CRI_NAMESPACE,
     NAMESPACE,
     Containerd,
+    Flavour,
     alive_at,
+    find_flavour,
     kill_mount_servers,
     mount_config,
     registry_data_bytes,
     registry_log_end,
+    running_node,
     sample_image,
     wait_no_snapshots,
 )
 from ocibuild import push_to_registry
-from support import Registry
+from support import Registry, require
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -322,3 +326,62 @@ def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
     # The passes reached FUSE: the last server alone (2 passes at least) answered this much.
     print(f"last server: {stats['fetch']['read_bytes']} bytes read through FUSE")
     assert stats["fetch"]["read_bytes"] >= BIG // 2
+
+
+def cri_pull_two_platform_index(
+    node: Containerd, registry: Registry, two_platform_image: tuple[str, str, dict[str, Any]]
+) -> None:
+    """CRI PullImage of the converted two-platform index (containerd picks the node's
+    platform), then a run in k8s.io: the amd64 image's output, its data read lazily."""
+    ref, amd64_digest, manifest = two_platform_image
+    start = registry_log_end(registry)
+    try:
+        node.cri_pull(ref)
+        out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "multi-cri",
+                       namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        assert out == "hello from lazyblock on amd64\n"
+        read, size = registry_data_bytes(registry, manifest, start)
+        assert 0 < read < size // 4, (read, size)
+        logging.getLogger(__name__).info("read %d of %d blob bytes", read, size)
+        # Every layer of the amd64 image is a remote snapshot (no layer was unpacked).
+        snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
+                         namespace=CRI_NAMESPACE).stdout  # fmt: skip
+        rows = [line.split() for line in snaps.splitlines()[1:]]
+        assert len(rows) == len(manifest["layers"]) and all(r[-1] == "Committed" for r in rows)
+        for row in rows:
+            info = json.loads(node.ctr("snapshots", "--snapshotter", "lazyblock", "info",
+                                       row[0], namespace=CRI_NAMESPACE).stdout)  # fmt: skip
+            assert info["Labels"]["containerd.io/snapshot/remote"] == "remote"
+        # The image record is the index itself.
+        listing = node.ctr("images", "ls", namespace=CRI_NAMESPACE).stdout
+        assert "application/vnd.oci.image.index.v1+json" in listing
+    finally:
+        node.cleanup_namespace(CRI_NAMESPACE)
+        remove_images(node, CRI_NAMESPACE)
+    assert wait_no_snapshots(node, CRI_NAMESPACE) == []
+
+
+def test_cri_pull_of_a_converted_two_platform_index(
+    node: Containerd, registry: Registry, two_platform_image: tuple[str, str, dict[str, Any]]
+) -> None:
+    """The kubelet's path for ``imagetool convert --platform all``'s index (1.6, 2.x)."""
+    cri_pull_two_platform_index(node, registry, two_platform_image)
+
+
+def test_cri_pull_of_a_converted_two_platform_index_through_the_transfer_service(
+    registry: Registry,
+    two_platform_image: tuple[str, str, dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+    flavour: Flavour,
+) -> None:
+    """The same on containerd 2.x whose CRI pulls through the transfer service (2.1's
+    default when ``disable_snapshot_annotations`` is not set)."""
+    if flavour.name != "2.x":
+        pytest.skip("the transfer service flavour is containerd 2.x's; it runs once")
+    found = find_flavour("2.x-transfer")
+    require(isinstance(found, Flavour), f"containerd 2.x: {found}")
+    assert isinstance(found, Flavour)
+    root = tmp_path_factory.mktemp("node-2.x-transfer")
+    with running_node(root, registry.host, found) as node:
+        cri_pull_two_platform_index(node, registry, two_platform_image)
+        assert "Falling back to local image pull mode" not in node.log.read_text()

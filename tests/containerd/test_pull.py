@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -18,10 +17,9 @@ from typing import Any
 
 import harness
 import httpx
-import itool
 import pytest
 from harness import NAMESPACE, Containerd
-from ocibuild import build_with_umoci, index_of_tags, push_to_registry
+from ocibuild import push_to_registry
 from support import Registry
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
@@ -144,53 +142,22 @@ def test_pull_through_an_image_index(
     assert harness.wait_no_snapshots(node, NAMESPACE) == []
 
 
-@pytest.fixture(scope="module")
-def two_platform_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A two-platform image index built with umoci (linux/amd64: busybox + app; linux/arm64:
-    the same with another message; busybox is this machine's, the arm64 image is never
-    run), converted with ``imagetool convert --platform all`` into the registry."""
-    from imagetool.platforms import default_platform
-
-    if default_platform() != "linux/amd64":
-        pytest.skip(f"this machine is {default_platform()}; the test runs the amd64 image")
-    tmp = tmp_path_factory.mktemp("multi")
-    base = harness.busybox_tree(tmp / "t1")
-    layout = tmp / "oci"
-    for arch in ("amd64", "arm64"):
-        app = tmp / f"t2-{arch}"
-        shutil.copytree(base, app, symlinks=True)
-        (app / "app").mkdir()
-        (app / "app/msg").write_text(f"hello from lazyblock on {arch}\n")
-        build_with_umoci(layout, arch, [base, app], cmd=["/bin/cat", "/app/msg"],
-                         workdir="/app", architecture=arch)  # fmt: skip
-    index_of_tags(layout, {"linux/amd64": "amd64", "linux/arm64": "arm64"}, "v1")
-    ref = f"{registry.host}/lazy/multi:v1"
-    itool.imagetool("--plain-http", "convert", "-q", "--sector-size", "1MiB", "--platform",
-                    "all", f"oci:{layout}:v1", f"docker://{ref}")  # fmt: skip
-    return ref
-
-
 def test_pull_and_run_a_converted_two_platform_index(
-    node: Containerd, registry: Registry, two_platform_image: str
+    node: Containerd, registry: Registry, two_platform_image: tuple[str, str, dict[str, Any]]
 ) -> None:
     """``imagetool convert --platform all`` publishes an OCI image index of block images;
     pulled on amd64, containerd gets the amd64 block image (lazily) and runs it."""
-    ref = two_platform_image
-    index = httpx.get(f"http://{registry.host}/v2/lazy/multi/manifests/v1",
-                      headers={"Accept": OCI_INDEX}).json()  # fmt: skip
-    amd64 = next(m for m in index["manifests"] if m["platform"]["architecture"] == "amd64")
-    manifest = httpx.get(f"http://{registry.host}/v2/lazy/multi/manifests/{amd64['digest']}",
-                         headers={"Accept": OCI_MANIFEST}).json()  # fmt: skip
+    ref, amd64_digest, manifest = two_platform_image
     start = harness.registry_log_end(registry)
     try:
         pulled = lazy_pull(node, ref)
         assert pulled.returncode == 0, pulled.stderr
-        assert f"manifest {amd64['digest']}" in pulled.stdout
+        assert f"manifest {amd64_digest}" in pulled.stdout
         assert OCI_INDEX in node.ctr("images", "ls").stdout
         out = node.ctr("run", "--rm", "--snapshotter", "lazyblock", ref, "multi-run").stdout
         assert out == "hello from lazyblock on amd64\n"
         read, size = harness.registry_data_bytes(registry, manifest, start)
-        assert 0 < read <= size, (read, size)
+        assert 0 < read < size // 4, (read, size)
         # The arm64 image is in the index too, and refused here only when asked for.
         refused = lazy_pull(node, ref, "--platform", "linux/s390x")
         assert refused.returncode == 3
