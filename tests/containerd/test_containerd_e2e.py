@@ -333,7 +333,7 @@ def cri_pull_two_platform_index(
 ) -> None:
     """CRI PullImage of the converted two-platform index (containerd picks the node's
     platform), then a run in k8s.io: the amd64 image's output, its data read lazily."""
-    ref, amd64_digest, manifest = two_platform_image
+    ref, _, manifest = two_platform_image
     start = registry_log_end(registry)
     try:
         node.cri_pull(ref)
