@@ -30,7 +30,7 @@ from harness import (
     wait_no_snapshots,
 )
 from ocibuild import push_to_registry
-from support import Registry, require
+from support import Registry, require, require_fuse, require_tool
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -372,12 +372,11 @@ def test_cri_pull_of_a_converted_two_platform_index_through_the_transfer_service
     registry: Registry,
     two_platform_image: tuple[str, str, dict[str, Any]],
     tmp_path_factory: pytest.TempPathFactory,
-    flavour: Flavour,
 ) -> None:
     """The same on containerd 2.x whose CRI pulls through the transfer service (2.1's
     default when ``disable_snapshot_annotations`` is not set)."""
-    if flavour.name != "2.x":
-        pytest.skip("the transfer service flavour is containerd 2.x's; it runs once")
+    require_fuse()
+    require_tool("runc", "umoci", "skopeo")
     found = find_flavour("2.x-transfer")
     require(isinstance(found, Flavour), f"containerd 2.x: {found}")
     assert isinstance(found, Flavour)
