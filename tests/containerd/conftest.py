@@ -15,6 +15,8 @@ import pytest
 from harness import (
     BIG,
     FLAVOURS,
+    OCI_INDEX,
+    OCI_MANIFEST,
     Containerd,
     Flavour,
     busybox_tree,
@@ -24,9 +26,6 @@ from harness import (
 )
 from ocibuild import build_with_umoci, index_of_tags
 from support import Registry, require, require_fuse, require_tool
-
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)

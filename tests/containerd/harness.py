@@ -41,6 +41,8 @@ NAMESPACE = "lbtest"
 CRI_NAMESPACE = "k8s.io"
 REPO = Path(__file__).resolve().parents[2]
 FLAVOURS = ("1.6", "2.x")
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 @dataclass(frozen=True)

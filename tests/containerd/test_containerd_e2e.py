@@ -12,17 +12,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from harness import (
     BIG,
     CRI_NAMESPACE,
     NAMESPACE,
+    OCI_INDEX,
+    OCI_MANIFEST,
     Containerd,
     Flavour,
     alive_at,
     find_flavour,
     kill_mount_servers,
     mount_config,
+    registry_blob_bytes,
     registry_data_bytes,
     registry_log_end,
     running_node,
@@ -343,6 +347,10 @@ def cri_pull_two_platform_index(
         read, size = registry_data_bytes(registry, manifest, start)
         assert 0 < read < size // 4, (read, size)
         logging.getLogger(__name__).info("read %d of %d blob bytes", read, size)
+        # Nothing of the arm64 image's own blobs was read.
+        others = other_platform_blobs(registry, ref, manifest)
+        assert others
+        assert not any(registry_blob_bytes(registry, d, start) for d in others)
         # Every layer of the amd64 image is a remote snapshot (no layer was unpacked).
         snaps = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
                          namespace=CRI_NAMESPACE).stdout  # fmt: skip
@@ -354,11 +362,23 @@ def cri_pull_two_platform_index(
             assert info["Labels"]["containerd.io/snapshot/remote"] == "remote"
         # The image record is the index itself.
         listing = node.ctr("images", "ls", namespace=CRI_NAMESPACE).stdout
-        assert "application/vnd.oci.image.index.v1+json" in listing
+        assert OCI_INDEX in listing
     finally:
         node.cleanup_namespace(CRI_NAMESPACE)
         remove_images(node, CRI_NAMESPACE)
     assert wait_no_snapshots(node, CRI_NAMESPACE) == []
+
+
+def other_platform_blobs(registry: Registry, ref: str, manifest: dict[str, Any]) -> list[str]:
+    """The layer digests of the arm64 image of ``ref``'s index that the amd64 one
+    (``manifest``) does not share."""
+    repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+    base = f"http://{registry.host}/v2/{repo}/manifests"
+    index = httpx.get(f"{base}/{tag}", headers={"Accept": OCI_INDEX}).json()
+    (arm64,) = [m for m in index["manifests"] if m["platform"]["architecture"] == "arm64"]
+    other = httpx.get(f"{base}/{arm64['digest']}", headers={"Accept": OCI_MANIFEST}).json()
+    ours = {d["digest"] for d in manifest["layers"]}
+    return [d["digest"] for d in other["layers"] if d["digest"] not in ours]
 
 
 def test_cri_pull_of_a_converted_two_platform_index(

@@ -18,15 +18,11 @@ from typing import Any
 import harness
 import httpx
 import pytest
-from harness import NAMESPACE, Containerd
+from harness import NAMESPACE, OCI_INDEX, OCI_MANIFEST, Containerd
 from ocibuild import push_to_registry
 from support import Registry
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
-
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-
 
 def lazy_pull(node: Containerd, ref: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``snapshotter pull`` of ``ref`` into the node's containerd, as a user types it."""
