@@ -24,6 +24,7 @@ from support import Registry
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
+
 def lazy_pull(node: Containerd, ref: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``snapshotter pull`` of ``ref`` into the node's containerd, as a user types it."""
     return subprocess.run(
