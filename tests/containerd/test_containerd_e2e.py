@@ -338,6 +338,11 @@ def cri_pull_two_platform_index(
     """CRI PullImage of the converted two-platform index (containerd picks the node's
     platform), then a run in k8s.io: the amd64 image's output, its data read lazily."""
     ref, _, manifest = two_platform_image
+    # From an empty k8s.io (the module's other tests leave their image there), so that the
+    # snapshots counted below are this image's.
+    node.cleanup_namespace(CRI_NAMESPACE)
+    remove_images(node, CRI_NAMESPACE)
+    assert wait_no_snapshots(node, CRI_NAMESPACE) == []
     start = registry_log_end(registry)
     try:
         node.cri_pull(ref)
