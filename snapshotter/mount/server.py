@@ -170,14 +170,7 @@ class MountServer:
 
         self.cache = opening.result(phases.started + cfg.mount_timeout)
         phases.done("cache_open")
-        self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
-        self.reader = BlockReader(
-            self.index,
-            self.fetcher,
-            cfg.memory_sectors,
-            timeout=cfg.read_timeout,
-            readahead_bytes=cfg.readahead_bytes,
-        )
+        self._build_data_path(cfg)
         # Prefetch starts now, with the index verified: behind the metadata (an on-demand
         # read) it keeps the link busy while the tree is mounted and the container starts.
         self.prefetcher = Prefetcher.for_mount(self.fetcher, cfg.prefetch_config()).start()
@@ -299,14 +292,7 @@ class MountServer:
         self.store = open_store(parse_ref(self.ref), cfg.store)
         self.index = self._load_index()
         self.cache = opening.result(phases.started + cfg.mount_timeout)
-        self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
-        self.reader = BlockReader(
-            self.index,
-            self.fetcher,
-            cfg.memory_sectors,
-            timeout=cfg.read_timeout,
-            readahead_bytes=cfg.readahead_bytes,
-        )
+        self._build_data_path(cfg)
         phases.done("prepare")
         with handover.lock(self.dir):
             record = state.MountRecord.load(self.dir) or record  # another may have just served
@@ -357,6 +343,18 @@ class MountServer:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         os._exit(0)
+
+    def _build_data_path(self, cfg: MountConfig) -> None:
+        """The fetcher and the reader over the store, index and cache already open."""
+        assert self.store is not None and self.index is not None and self.cache is not None
+        self.fetcher = SectorFetcher(self.store, self.index, self.cache, cfg.fetch, self.metrics)
+        self.reader = BlockReader(
+            self.index,
+            self.fetcher,
+            cfg.memory_sectors,
+            timeout=cfg.read_timeout,
+            readahead_bytes=cfg.readahead_bytes,
+        )
 
     def _load_index(self) -> Index:
         """The verified index: from the node's index cache if a copy there matches the
