@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import (
@@ -154,27 +155,31 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
         g = GaugeMetricFamily(p + name, doc)
         g.add_metric([], value)
         yield g
-    failures = CounterMetricFamily(
+    yield _by_reason(
         p + "remount_failures",
         "Remounts of remote snapshots the daemon could not do, by reason: auth (the "
         "registry wanted credentials the daemon lacks, or refused them), other. Retried.",
-        labels=["reason"],
+        config.state_dir / REMOUNT_FAILURES_FILE,
+        ("auth", "other"),
     )
-    counts = read_remount_failures(config.state_dir / REMOUNT_FAILURES_FILE)
-    for reason in sorted({"auth", "other", *counts}):
-        failures.add_metric([reason], counts.get(reason, 0))
-    yield failures
-    fallbacks = CounterMetricFamily(
+    yield _by_reason(
         p + "launcher_fallbacks",
         "Mount servers started in the caller's context because the node launcher "
         "([mount] launcher) was unreachable or refused (other code, other directories): "
         "they die with the daemon's pod.",
-        labels=["reason"],
+        config.state_dir / LAUNCHER_FALLBACKS_FILE,
+        ("unreachable", "refused"),
     )
-    counts = read_remount_failures(config.state_dir / LAUNCHER_FALLBACKS_FILE)
-    for reason in sorted({"unreachable", "refused", *counts}):
-        fallbacks.add_metric([reason], counts.get(reason, 0))
-    yield fallbacks
+
+
+def _by_reason(name: str, doc: str, path: Path, reasons: tuple[str, ...]) -> Metric:
+    """A counter by reason from a counts file (``RemountFailures``), every known reason
+    present (0 until counted)."""
+    family = CounterMetricFamily(name, doc, labels=["reason"])
+    counts = read_remount_failures(path)
+    for reason in sorted({*reasons, *counts}):
+        family.add_metric([reason], counts.get(reason, 0))
+    return family
 
 
 def _sources(all_stats: list[dict[str, Any]]) -> Iterator[Metric]:
