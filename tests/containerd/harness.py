@@ -199,6 +199,18 @@ class Containerd:
             )
         return proc
 
+    def wait_snapshotter(self, timeout: float = 30) -> None:
+        """Wait until containerd reaches the proxy snapshotter again: after the daemon
+        restarts, containerd redials it with backoff, and a call made before it has
+        fails with "connection closed: unavailable"."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
+                            namespace=CRI_NAMESPACE, check=time.monotonic() > deadline)  # fmt: skip
+            if proc.returncode == 0:
+                return
+            time.sleep(0.2)
+
     def cri_pull(self, image: str, timeout: float = 120) -> str:
         """Pull through the CRI plugin (runtime.v1.ImageService/PullImage), as kubelet does:
         the path that passes the image's labels to the snapshotter."""

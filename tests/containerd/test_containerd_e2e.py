@@ -127,17 +127,6 @@ def test_ctr_pull_of_a_converted_image(node: Containerd, registry: Registry, laz
         assert wait_no_snapshots(node, NAMESPACE) == []
 
 
-def _wait_reconnected(node: Containerd, timeout: float = 20) -> None:
-    """containerd redials a restarted proxy snapshotter with backoff; wait for it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
-                        namespace=CRI_NAMESPACE, check=time.monotonic() > deadline)  # fmt: skip
-        if proc.returncode == 0:
-            return
-        time.sleep(0.3)
-
-
 def test_daemon_restart_keeps_running_container(node: Containerd, lazy_image) -> None:
     ref, manifest = lazy_image
     node.cri_pull(ref)
@@ -145,7 +134,7 @@ def test_daemon_restart_keeps_running_container(node: Containerd, lazy_image) ->
              namespace=CRI_NAMESPACE)  # fmt: skip
     try:
         node.snapshotter.restart()
-        _wait_reconnected(node)
+        node.wait_snapshotter()
         # Data never read before the restart: served by the mount server that outlived it.
         out = node.ctr("task", "exec", "--exec-id", "e1", "longrun", "/bin/sh", "-c",
                        "head -c 3000000 /app/data.bin | wc -c; cat /app/msg",
@@ -204,7 +193,7 @@ def test_remount_after_the_mount_server_dies(node: Containerd, lazy_image) -> No
             mount_mod.unmount(mountpoint, config)
         assert not [m for m in mount_mod.list_mounts(config)]
         node.snapshotter.restart()
-        _wait_reconnected(node)
+        node.wait_snapshotter()
         assert alive_at(node, mountpoints)  # remounted when the daemon started
         assert node.ctr(*run, "after-restart", namespace=CRI_NAMESPACE).stdout == (
             "hello from lazyblock\n"
@@ -299,7 +288,7 @@ def test_container_reads_on_while_its_mount_server_is_killed_and_replaced(
         # The daemon restarted as systemd does it (KillMode=process: the daemon alone), as
         # after a package upgrade, then the mount server replaced by the new version's.
         node.snapshotter.restart()
-        _wait_reconnected(node)
+        node.wait_snapshotter()
         passes_after(1)
         for _ in range(HANDOVERS):
             old = state.MountRecord.load(directory).pid

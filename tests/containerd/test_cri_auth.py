@@ -300,6 +300,7 @@ def test_credentials_for_remounts_survive_a_daemon_restart(
 
     # 1. Restart: the daemon asks the live mount servers; then one dies and is remounted.
     node.snapshotter.restart()
+    node.wait_snapshotter()
     mountpoints = kill_mount_servers(node)
     assert mountpoints
     out = node.ctr(*run, "rs2", "/bin/sh", "-c", "wc -c < /app/data.bin",
@@ -312,6 +313,7 @@ def test_credentials_for_remounts_survive_a_daemon_restart(
     node.snapshotter.stop()
     kill_mount_servers(node)
     node.snapshotter.start()
+    node.wait_snapshotter()
     failures = mount_config(node).state_dir / REMOUNT_FAILURES_FILE
     deadline = time.monotonic() + 30
     while read_remount_failures(failures).get("auth", 0) < 2 and time.monotonic() < deadline:

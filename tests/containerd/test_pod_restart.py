@@ -204,16 +204,6 @@ class CacheDropper(threading.Thread):
             time.sleep(0.005)
 
 
-def _wait_reconnected(node: Containerd, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = node.ctr("snapshots", "--snapshotter", "lazyblock", "ls",
-                        namespace=CRI_NAMESPACE, check=time.monotonic() > deadline)  # fmt: skip
-        if proc.returncode == 0:
-            return
-        time.sleep(0.2)
-
-
 def test_pod_deletion_keeps_running_containers_reading(
     pod_node: Containerd, pod_image: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -248,7 +238,7 @@ def test_pod_deletion_keeps_running_containers_reading(
             assert alive_at(node, list(servers))
             time.sleep(0.5)  # no pod for a while: the container reads on
             daemon.start()  # the pod recreated
-            _wait_reconnected(node)
+            node.wait_snapshotter()
             time.sleep(0.5)
         # The last pod knows every snapshot, remounted nothing and starts new containers.
         now = {m.mountpoint: m.pid for m in mount_api.list_mounts(mount) if m.alive}
