@@ -180,6 +180,14 @@ class PrefetchConfig:
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
 
+    stream_large_share: float = 0.5
+    """``AUTO``: stream the whole image from the mount on, without waiting for the start's
+    reads, when files of at least ``large_file_bytes`` hold this share of its stored bytes
+    (model weights, big shared libraries: what a start reads whole); above 1: never."""
+
+    large_file_bytes: int = 32 << 20
+    """What ``stream_large_share`` counts as a large file."""
+
     def __post_init__(self) -> None:
         if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
             raise ValueError("batch_sectors, max_failures and batch_timeout must be positive")
@@ -191,6 +199,8 @@ class PrefetchConfig:
             raise ValueError("burst_bytes must be >= 0 and max_cache_fraction in (0, 1]")
         if not 0 < self.stream_fraction <= 1 or self.stream_watch < 0:
             raise ValueError("stream_fraction must be in (0, 1] and stream_watch >= 0")
+        if self.stream_large_share <= 0 or self.large_file_bytes < 1:
+            raise ValueError("stream_large_share and large_file_bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,7 @@ class MountConfig:
     True always, False never, None (``auto``) once the start has read
     ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
     prefetch_stream_fraction: float = 0.25
+    prefetch_stream_large_share: float = 0.5
     prefetch_bandwidth: int | None = None
     """Bytes per second the prefetcher may pull; None for no cap."""
     prefetch_batch_sectors: int = 4
@@ -271,6 +282,7 @@ class MountConfig:
             batch_sectors=self.prefetch_batch_sectors,
             max_cache_fraction=self.prefetch_max_cache_fraction,
             stream_fraction=self.prefetch_stream_fraction,
+            stream_large_share=self.prefetch_stream_large_share,
         )
 
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
@@ -466,6 +478,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "prefetch.enabled": (_bool, "m.prefetch"),
     "prefetch.background_fetch": (_auto_bool, "m.background_fetch"),
     "prefetch.stream_fraction": (_float, "m.prefetch_stream_fraction"),
+    "prefetch.stream_large_share": (_float, "m.prefetch_stream_large_share"),
     "prefetch.bandwidth": (_opt_size, "m.prefetch_bandwidth"),
     "prefetch.batch_sectors": (_int, "m.prefetch_batch_sectors"),
     "prefetch.max_cache_fraction": (_float, "m.prefetch_max_cache_fraction"),

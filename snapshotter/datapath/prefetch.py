@@ -16,8 +16,15 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    read almost entirely (model weights), streaming the image sequentially at full bandwidth
    beats fetching it in scattered on-demand pieces.
 
-``PrefetchMode.AUTO`` (the default) decides the third step while the container starts: the
-whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
+``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount:
+an image whose large files (``large_file_bytes``, 32 MiB and more) hold at least
+``stream_large_share`` (half) of its stored bytes is streamed whole from the start. Those
+are model weights and the big shared libraries of ML frameworks, which a start reads whole
+or nearly (the cold-start benchmark's ML image: two such files, the weights and
+libtorch_cpu.so, hold 77 % of its stored bytes, and its start reads 75-89 % of them);
+waiting for the start's reads to prove it cost that image 1.6x its floor with the link idle
+between reads (``benchmarks/coldstart/README.md``). Otherwise, while the container starts:
+the whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
 image's stored bytes (the sectors its reads touched, each counted once; read-ahead and
 prefetch do not count: guesses must not feed guesses), or right after the profile when the
 profile alone names that share (it is what the start will read). A
@@ -71,7 +78,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from imagetool.format import Index
+from imagetool.format import FileMap, Index
 from snapshotter.config import PrefetchConfig, PrefetchMode
 from snapshotter.datapath.fetcher import PrefetchBatch, SectorFetcher
 from snapshotter.errors import ClosedError
@@ -79,6 +86,23 @@ from snapshotter.errors import ClosedError
 log = logging.getLogger(__name__)
 
 STREAM_POLL_SECONDS = 0.1  # how often AUTO looks at the bytes the mount has fetched
+
+
+def large_file_share(index: Index, large_file_bytes: int) -> float:
+    """The share of ``index``'s stored bytes in sectors that hold files of at least
+    ``large_file_bytes`` (each sector counted once)."""
+    stored = sum(s.length for s in index.sectors)
+    if not stored:
+        return 0.0
+    files = index.files
+    if isinstance(files, FileMap):
+        large = files.at_least(large_file_bytes)
+    else:
+        large = tuple(f for f in files if f.length >= large_file_bytes)
+    covered: set[int] = set()
+    for f in large:
+        covered.update(index.sectors_for_range(f.offset, f.length))
+    return sum(index.sectors[n].length for n in covered) / stored
 
 
 def plan(index: Index, mode: PrefetchMode) -> list[int]:
@@ -211,6 +235,27 @@ class Prefetcher:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def _stream_rest(self, why: str) -> None:
+        """Add every sector not planned yet to the plan, in image order."""
+        planned = set(self.sectors)
+        rest = [n for n in plan(self.fetcher.index, PrefetchMode.FULL) if n not in planned]
+        log.info("prefetch: %s; streaming the other %d sectors", why, len(rest))
+        self.streaming = True
+        self.sectors += rest
+
+    def _stream_at_mount(self) -> bool:
+        """``AUTO``: stream the whole image now if its large files hold
+        ``stream_large_share`` of its stored bytes; returns whether it does."""
+        cfg = self.config
+        if cfg.stream_large_share > 1:
+            return False
+        share = large_file_share(self.fetcher.index, cfg.large_file_bytes)
+        if share < cfg.stream_large_share:
+            return False
+        self._stream_rest(f"files of {cfg.large_file_bytes >> 20} MiB or more hold "
+                          f"{share:.0%} of the stored bytes")  # fmt: skip
+        return True
+
     def _stream_when_read(self) -> bool:
         """``AUTO``: unless the profile names ``stream_fraction`` of the image's stored bytes,
         wait (up to ``stream_watch`` seconds after the mount) until the start has read that
@@ -225,15 +270,8 @@ class Prefetcher:
             left = until - time.monotonic()
             if left <= 0 or self._stop.wait(min(STREAM_POLL_SECONDS, left)):
                 return False
-        planned = set(self.sectors)
-        rest = [n for n in plan(index, PrefetchMode.FULL) if n not in planned]
-        log.info(
-            "prefetch: the start read %d and the profile names %d of %d stored bytes; "
-            "streaming the other %d sectors",
-            read.value, profiled, stored, len(rest),
-        )  # fmt: skip
-        self.streaming = True
-        self.sectors += rest
+        self._stream_rest(f"the start read {read.value} and the profile names {profiled} "
+                          f"of {stored} stored bytes")  # fmt: skip
         return True
 
     def _run(self) -> None:
@@ -246,6 +284,8 @@ class Prefetcher:
         i = 0
         watch = cfg.mode is PrefetchMode.AUTO
         try:
+            if watch and self._stream_at_mount():
+                watch = False
             while not self._stop.is_set():
                 # Fill the window, in plan order.
                 while i < len(self.sectors) and len(pending) < window.size:

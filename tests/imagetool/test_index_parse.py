@@ -87,6 +87,22 @@ def test_the_file_map_is_built_on_first_use_and_checked() -> None:
         Index.from_bytes(json.dumps(doc).encode())
 
 
+def test_the_large_files_are_found_without_building_the_rest() -> None:
+    index = _index(1_000)
+    doc = json.loads(index.to_bytes())
+    doc["files"][5][2] = 1 << 20
+    doc["files"][9][2] = 2 << 20
+    parsed = Index.from_bytes(json.dumps(doc).encode())
+    big = parsed.files.at_least(1 << 20)
+    assert [f.path for f in big] == ["/d5/f5", "/d9/f9"]
+    assert parsed.files._extents is None  # the other 998 were never built
+    assert list(parsed.files)[9].length == 2 << 20
+    assert parsed.files.at_least(2 << 20) == (FileExtent("/d9/f9", 9 * 4096, 2 << 20),)
+    doc["files"][3] = ["/x", "0", "big"]
+    with pytest.raises(FormatError, match="non-negative"):
+        Index.from_bytes(json.dumps(doc).encode()).files.at_least(1)
+
+
 def test_the_stored_index_is_one_zstd_frame_and_plain_json_still_parses() -> None:
     index = _index(20_000)
     blob = index.to_blob()

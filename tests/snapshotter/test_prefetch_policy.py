@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from datapath_support import FAST, Image, build_image, wait_until
+from datapath_support import FAST, SECTOR, Image, build_image, wait_until
 
 from snapshotter.cache.sectors import SectorCache
 from snapshotter.datapath.fetcher import SectorFetcher
@@ -18,6 +18,7 @@ from snapshotter.datapath.prefetch import (
     PrefetchMode,
     TokenBucket,
     Window,
+    large_file_share,
     plan,
 )
 from snapshotter.datapath.reader import BlockReader
@@ -291,3 +292,44 @@ def test_config_is_validated() -> None:
         PrefetchConfig(bandwidth=0)
     with pytest.raises(ValueError):
         PrefetchConfig(max_cache_fraction=0)
+
+
+def test_large_file_share_counts_the_stored_bytes_of_large_files(image: Image) -> None:
+    index = image.index
+    total = sum(s.length for s in index.sectors)
+    weights = index.sectors_for_range(8 * SECTOR, 10 * SECTOR)  # /app/weights.bin
+    expected = sum(index.sectors[n].length for n in weights) / total
+    assert large_file_share(index, 10 * SECTOR) == pytest.approx(expected)
+    assert 0 < expected < 1
+    # python3 (3 sectors and a bit) joins at that size; nothing is that large
+    assert large_file_share(index, 3 * SECTOR) > expected
+    assert large_file_share(index, 11 * SECTOR) == 0
+
+
+def test_auto_streams_from_the_mount_an_image_of_large_files(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    """Nothing is read: the index alone says the start will read most of the image."""
+    fetcher = make_fetcher()
+    share = large_file_share(image.index, 10 * SECTOR)
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_large_share=share,
+                         large_file_bytes=10 * SECTOR, stream_watch=0.5)  # fmt: skip
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    assert p.wait(10) and p.streaming
+    assert fetcher.metrics.touched_stored_bytes.value == 0
+    assert fetcher.missing(range(image.index.sector_count)) == []
+    # The profile still goes first: its sectors head the plan.
+    assert p.sectors[: len(image.index.prefetch)] == list(image.index.prefetch)
+
+
+def test_auto_waits_for_reads_when_large_files_hold_less_than_the_share(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    share = large_file_share(image.index, 10 * SECTOR)
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_large_share=share + 0.01,
+                         large_file_bytes=10 * SECTOR, stream_fraction=0.9,
+                         stream_watch=0.5)  # fmt: skip
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    assert p.wait(10) and not p.streaming
+    assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
