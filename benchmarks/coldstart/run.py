@@ -10,6 +10,9 @@ compares, per network preset, from an empty cache every time (``drop_caches`` be
     lazy-profile  lazyblock, cold, image re-laid with ``imagetool convert --profile`` (the
                   profile recorded by ``snapshotter profile`` during a lazy run), prefetch on
     lazy-warm     lazyblock with the node's sector cache warm (page cache still dropped)
+    lazy-foreign  lazyblock, cold, image laid out with a profile recorded on *another* image
+                  (``--foreign-profile FILE``; not in the default set): a stale or foreign
+                  profile must not make a start slower than none
     local         the image already unpacked by containerd: the floor
 
 How the node pulls and runs (``--via``, ``node.py``):
@@ -90,8 +93,12 @@ from benchmarks.coldstart.node import run_cmd as _run  # noqa: E402
 
 log = logging.getLogger("coldstart")
 
-SCENARIOS = ("full-pull", "lazy", "lazy-profile", "lazy-warm", "local")
-LAZY_SCENARIOS = ("lazy", "lazy-profile", "lazy-warm")
+SCENARIOS = ("full-pull", "lazy", "lazy-profile", "lazy-warm", "local", "lazy-foreign")
+DEFAULT_SCENARIOS = SCENARIOS[:-1]
+LAZY_SCENARIOS = ("lazy", "lazy-profile", "lazy-warm", "lazy-foreign")
+# The image tag each lazy scenario runs (after the image's own tag).
+LAZY_TAG_SUFFIX = {"lazy": "", "lazy-profile": "-profile", "lazy-warm": "-profile",
+                   "lazy-foreign": "-foreign"}  # fmt: skip
 VIAS = ("cri", "ctr")  # how the node pulls and runs: see the module docstring
 # The issue's targets, checked on the preset they name.
 TARGET_PRESET = "1g-1ms"
@@ -106,7 +113,7 @@ class BenchConfig:
     kind: str = "ml"
     size: int | None = None
     presets: tuple[str, ...] = ("1g-1ms",)
-    scenarios: tuple[str, ...] = SCENARIOS
+    scenarios: tuple[str, ...] = DEFAULT_SCENARIOS
     runs: int = 3
     work: Path = HERE / "work"
     out: Path = HERE / "results"
@@ -119,6 +126,7 @@ class BenchConfig:
     prepare_only: bool = False  # build, push, convert, record the profile; measure nothing
     settings: tuple[str, ...] = ()  # the daemon's --set KEY=VALUE (--via cri)
     format_version: str = "2"  # the block format the lazy scenarios' images are converted to
+    foreign_profile: Path | None = None  # lazy-foreign: a profile recorded on another image
 
 
 # --- pure parts --------------------------------------------------------------------------------
@@ -851,6 +859,14 @@ class Bench:
             # a profile names files, so one recorded on this source image still fits it
             log.info("converting %s with its profile", tag)
             self.lazy.convert(src, digest, f"{tag}-profile", profile)
+        if "lazy-foreign" in self.cfg.scenarios:
+            foreign = self.cfg.foreign_profile
+            if foreign is None or not foreign.is_file():
+                raise BenchError("lazy-foreign needs --foreign-profile FILE (a profile of "
+                                 "another image)")  # fmt: skip
+            # always converted: the stamp knows the source image, not the profile's
+            log.info("converting %s with the foreign profile %s", tag, foreign)
+            self.lazy.convert(src, digest, f"{tag}-foreign", foreign)
 
     # nodes
 
@@ -904,7 +920,7 @@ class Bench:
         elif scenario == "local":
             ready = self._run_image(self.ctrd, self.ref)
         else:
-            tag = self.img.tag if scenario == "lazy" else f"{self.img.tag}-profile"
+            tag = self.img.tag + LAZY_TAG_SUFFIX[scenario]
             ready, phases, extra = self._lazy_timed(tag, prefetch=True, t0=t0)
         fields = ready.fields
         seconds = ready.at - t0
@@ -1147,6 +1163,7 @@ def explain(
         ("lazy-profile", "local", " s", lambda a, b: a - b),
         ("lazy-warm", "local", " s", lambda a, b: a - b),
         ("lazy-profile", "lazy-warm", " s", lambda a, b: a - b),
+        ("lazy-foreign", "lazy", " s", lambda a, b: a - b),
     ]
     paired = []
     for a, b, unit, op in pairs:
@@ -1248,7 +1265,8 @@ def paired_by_round(
 
 
 FLOOR_SLACK_S = 1.0  # the floor's allowance for what no start avoids (container, runc)
-FLOOR_TARGETS = {"lazy-profile": 1.15, "lazy": 1.5}  # time to ready at most this x the floor
+# Time to ready at most this x the floor (a foreign profile: no worse than none).
+FLOOR_TARGETS = {"lazy-profile": 1.15, "lazy": 1.5, "lazy-foreign": 1.5}
 
 
 def measure_store_rate(
@@ -1351,6 +1369,8 @@ def floor_targets(scenarios: dict[str, Any], floor: dict[str, Any] | None) -> li
     """Each lazy scenario's median time to ready against the floor (``FLOOR_TARGETS``)."""
     out = []
     for scen, most in FLOOR_TARGETS.items():
+        if scen not in DEFAULT_SCENARIOS and scen not in scenarios:
+            continue  # an optional scenario, not asked for
         s = scenarios.get(scen, {})
         target = f"{scen} <= {most:g} x floor"
         if s.get("status") != "ok" or floor is None:
@@ -1493,6 +1513,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="network preset (repeatable; default 1g-1ms)")  # fmt: skip
     parser.add_argument("--scenario", action="append", dest="scenarios", choices=SCENARIOS)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--foreign-profile", type=Path,
+                        help="lazy-foreign: a profile recorded on another image")  # fmt: skip
     parser.add_argument(
         "--via",
         choices=VIAS,
@@ -1552,6 +1574,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if "lazy-foreign" in (args.scenarios or ()) and not args.foreign_profile:
+        parser.error("--scenario lazy-foreign needs --foreign-profile FILE")
     if args.kind == "vllm" and args.size is not None:
         parser.error("--size does not apply to --kind vllm (its model is fixed)")
     if args.smoke:
@@ -1563,7 +1587,8 @@ def main(argv: list[str] | None = None) -> int:
         kind=args.kind,
         size=args.size,
         presets=tuple(args.presets or ["1g-1ms"]),
-        scenarios=tuple(args.scenarios or SCENARIOS),
+        scenarios=tuple(args.scenarios or DEFAULT_SCENARIOS),
+        foreign_profile=args.foreign_profile.resolve() if args.foreign_profile else None,
         runs=args.runs,
         via=args.via,
         keep_earlier=not args.fresh,

@@ -34,10 +34,15 @@ def test_smoke(tmp_path):
                          "docker-registry", "busybox")  # fmt: skip
     support.require(importlib.util.find_spec("matplotlib") is not None, "needs matplotlib")
     lazy_reason = run.Lazyblock.unavailable()
+    # A profile of another image: one path this image has too, the others it lacks.
+    foreign = tmp_path / "foreign-profile.txt"
+    foreign.write_text("/bin/busybox\n/opt/venv/lib/libtorch_cpu.so\n/models/weights-0.bin\n")
     cfg = run.BenchConfig(
         kind="tiny",
         size=1 << 20,
         presets=("none",),
+        scenarios=run.SCENARIOS,
+        foreign_profile=foreign,
         runs=1,
         work=tmp_path / "work",
         out=tmp_path / "results",
