@@ -180,10 +180,11 @@ class PrefetchConfig:
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
 
-    stream_large_share: float = 0.5
+    stream_large_share: float = 2.0
     """``AUTO``: stream the whole image from the mount on, without waiting for the start's
     reads, when files of at least ``large_file_bytes`` hold this share of its stored bytes
-    (model weights, big shared libraries: what a start reads whole); above 1: never."""
+    (model weights, big shared libraries: what a start reads whole); above 1 (the default,
+    until it is measured against images with large files a start never reads): never."""
 
     large_file_bytes: int = 32 << 20
     """What ``stream_large_share`` counts as a large file."""
@@ -223,7 +224,7 @@ class MountConfig:
     True always, False never, None (``auto``) once the start has read
     ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
     prefetch_stream_fraction: float = 0.25
-    prefetch_stream_large_share: float = 0.5
+    prefetch_stream_large_share: float = 2.0
     prefetch_bandwidth: int | None = None
     """Bytes per second the prefetcher may pull; None for no cap."""
     prefetch_batch_sectors: int = 4

@@ -16,9 +16,11 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    read almost entirely (model weights), streaming the image sequentially at full bandwidth
    beats fetching it in scattered on-demand pieces.
 
-``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount:
-an image whose large files (``large_file_bytes``, 32 MiB and more) hold at least
-``stream_large_share`` (half) of its stored bytes is streamed whole from the start. Those
+``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount,
+when ``stream_large_share`` is set (it is off by default: the test suite's images, a big
+data file never read, show what it costs an image whose large files the start skips): an
+image whose large files (``large_file_bytes``, 32 MiB and more) hold at least that share
+(0.5) of its stored bytes is streamed whole from the start. Those
 are model weights and the big shared libraries of ML frameworks, which a start reads whole
 or nearly (the cold-start benchmark's ML image: two such files, the weights and
 libtorch_cpu.so, hold 77 % of its stored bytes, and its start reads 75-89 % of them);
