@@ -244,6 +244,12 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 f"{f['checksum_errors']}, reads {s['reads']['errors']}; in flight "
                 f"{f['inflight']}; prefetch {s['prefetch']['mode']} "
                 f"{s['prefetch']['fetched']}/{s['prefetch']['planned']}"
+                + (" streaming the image" if s["prefetch"].get("streaming") else "")
+                + (
+                    f", {n} large files read whole"
+                    if (n := s["prefetch"].get("files_streamed"))
+                    else ""
+                )
             )
             click.echo(
                 f"  stalled on the network: {f['stall_late_seconds']:.2f}s for sectors asked "

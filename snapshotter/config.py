@@ -186,8 +186,14 @@ class PrefetchConfig:
     (model weights, big shared libraries: what a start reads whole); above 1 (the default,
     until it is measured against images with large files a start never reads): never."""
 
+    stream_large_files: bool = True
+    """``AUTO``: once the start reads a file of at least ``large_file_bytes`` that is not
+    cached (weights, a big shared library), fetch the whole file next, in file order, ahead
+    of the rest of the plan: such a file is read whole or nearly, and on demand it would
+    come one read (one round trip) at a time."""
+
     large_file_bytes: int = 32 << 20
-    """What ``stream_large_share`` counts as a large file."""
+    """What ``stream_large_share`` and ``stream_large_files`` count as a large file."""
 
     def __post_init__(self) -> None:
         if self.batch_sectors < 1 or self.max_failures < 1 or self.batch_timeout <= 0:
@@ -225,6 +231,7 @@ class MountConfig:
     ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
     prefetch_stream_fraction: float = 0.25
     prefetch_stream_large_share: float = 2.0
+    prefetch_stream_large_files: bool = True
     prefetch_bandwidth: int | None = None
     """Bytes per second the prefetcher may pull; None for no cap."""
     prefetch_batch_sectors: int = 4
@@ -284,6 +291,7 @@ class MountConfig:
             max_cache_fraction=self.prefetch_max_cache_fraction,
             stream_fraction=self.prefetch_stream_fraction,
             stream_large_share=self.prefetch_stream_large_share,
+            stream_large_files=self.prefetch_stream_large_files,
         )
 
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
@@ -480,6 +488,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "prefetch.background_fetch": (_auto_bool, "m.background_fetch"),
     "prefetch.stream_fraction": (_float, "m.prefetch_stream_fraction"),
     "prefetch.stream_large_share": (_float, "m.prefetch_stream_large_share"),
+    "prefetch.stream_large_files": (_bool, "m.prefetch_stream_large_files"),
     "prefetch.bandwidth": (_opt_size, "m.prefetch_bandwidth"),
     "prefetch.batch_sectors": (_int, "m.prefetch_batch_sectors"),
     "prefetch.max_cache_fraction": (_float, "m.prefetch_max_cache_fraction"),

@@ -221,6 +221,7 @@ class SectorFetcher:
         self.readahead_sectors = Counter()  # sectors read ahead of a sequential reader
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
         self._listeners: list[Callable[[int, SectorBytes], None]] = []
+        self._demand_listeners: list[Callable[[list[int]], None]] = []
         # Transfer buffers (``_take_buffer``): one per request in flight, kept for reuse.
         self._buffer_size = max((s.length for s in index.sectors), default=0)
         self._buffers: list[bytearray] = []
@@ -251,6 +252,9 @@ class SectorFetcher:
         wanted = sorted(set(numbers))
         if wanted and (wanted[0] < 0 or wanted[-1] >= self.index.sector_count):
             raise InvalidReadError(f"sector numbers out of range: {wanted[0]}..{wanted[-1]}")
+        if priority is Priority.DEMAND:
+            for listener in self._demand_listeners:
+                listener(wanted)
         try:
             return self._get(wanted, deadline, priority)
         except FetchError as e:
@@ -305,6 +309,12 @@ class SectorFetcher:
         whoever asked for it (read-ahead and prefetch too), on the fetching thread, before
         the sector is written to the cache: the reader keeps the latest in memory."""
         self._listeners.append(callback)
+
+    def on_demand(self, callback: Callable[[list[int]], None]) -> None:
+        """Call ``callback(numbers)`` with the sectors of every on-demand ``get`` (a reader
+        that found them neither in memory nor in the cache), on the reader's thread, before
+        they are fetched: the prefetcher learns from it which large file a start reads."""
+        self._demand_listeners.append(callback)
 
     def readahead(self, numbers: Iterable[int], deadline: float | None = None) -> int:
         """Start fetching those of ``numbers`` that are neither cached nor in flight, without

@@ -35,7 +35,14 @@ by the cold-start benchmark, an ML start (torch, then its weights) fetches 75-89
 image's stored bytes, a vLLM start 45-57 %; a start that reads a few files of a large image
 (a web app; the quickstart's 2 % of 270 MB) never gets there and fetches only what it reads.
 Without a profile this is what keeps the link busy between the workload's reads; with one
-that names a quarter of the image, the rest follows the profile's sectors at once.
+that names a quarter of the image, the rest follows the profile's sectors at once. And as
+soon as the start reads a sector of a large file that was not cached (``stream_large_files``;
+the fetcher tells the prefetcher of every on-demand read), the whole file goes next in the
+plan, from that sector to the file's end, then its beginning: weights and the big shared
+libraries of ML frameworks are read whole or nearly, and on demand they would come one read,
+one round trip, at a time, with the link idle in between. A large file the start never
+reads (a data set beside the application, the test suite's 48 MiB data file) is never
+fetched for it.
 
 All-zero sectors are never listed (they cost nothing to read).
 
@@ -90,20 +97,30 @@ log = logging.getLogger(__name__)
 STREAM_POLL_SECONDS = 0.1  # how often AUTO looks at the bytes the mount has fetched
 
 
+def large_files(index: Index, large_file_bytes: int) -> list[tuple[str, list[int]]]:
+    """Each file of at least ``large_file_bytes`` in ``index``: its path and its stored
+    sectors in file order."""
+    files = index.files
+    if isinstance(files, FileMap):
+        large = files.at_least(large_file_bytes)
+    else:
+        large = tuple(f for f in files if f.length >= large_file_bytes)
+    sectors = index.sectors
+    return [
+        (f.path, [n for n in index.sectors_for_range(f.offset, f.length) if not sectors[n].is_zero])
+        for f in large
+    ]
+
+
 def large_file_share(index: Index, large_file_bytes: int) -> float:
     """The share of ``index``'s stored bytes in sectors that hold files of at least
     ``large_file_bytes`` (each sector counted once)."""
     stored = sum(s.length for s in index.sectors)
     if not stored:
         return 0.0
-    files = index.files
-    if isinstance(files, FileMap):
-        large = files.at_least(large_file_bytes)
-    else:
-        large = tuple(f for f in files if f.length >= large_file_bytes)
     covered: set[int] = set()
-    for f in large:
-        covered.update(index.sectors_for_range(f.offset, f.length))
+    for _, numbers in large_files(index, large_file_bytes):
+        covered.update(numbers)
     return sum(index.sectors[n].length for n in covered) / stored
 
 
@@ -206,6 +223,11 @@ class Prefetcher:
         self.fetched = 0  # sectors this prefetcher brought into the cache
         self.window: Window | None = None  # batches it keeps in flight (once running)
         self.streaming = False  # AUTO: the whole image was added to the plan
+        self.files_streamed = 0  # AUTO: large files added to the plan once the start read them
+        self._large: dict[int, int] = {}  # AUTO: sector -> its large file (in _large_files)
+        self._large_files: list[tuple[str, list[int]]] = []
+        self._demanded: deque[int] = deque()  # sectors of large files read on demand
+        self._wake = threading.Event()  # a large file was read, or stop()
         self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lazyblock-prefetch", daemon=True)
@@ -225,6 +247,7 @@ class Prefetcher:
     def stop(self, timeout: float | None = 5.0) -> None:
         """Ask the worker to stop after the batch in progress; wait up to ``timeout``."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -258,10 +281,46 @@ class Prefetcher:
                           f"{share:.0%} of the stored bytes")  # fmt: skip
         return True
 
-    def _stream_when_read(self) -> bool:
-        """``AUTO``: unless the profile names ``stream_fraction`` of the image's stored bytes,
-        wait (up to ``stream_watch`` seconds after the mount) until the start has read that
-        share, then add the rest of the image to the plan; returns whether it did."""
+    def _watch_large_files(self) -> None:
+        """``AUTO``: learn from the fetcher which large files the start reads on demand."""
+        self._large_files = large_files(self.fetcher.index, self.config.large_file_bytes)
+        self._large = {n: k for k, (_, numbers) in enumerate(self._large_files) for n in numbers}
+        if self._large:
+            self.fetcher.on_demand(self._on_demand)
+
+    def _on_demand(self, numbers: list[int]) -> None:
+        """On a reader's thread: note the sectors of large files among ``numbers``."""
+        large = self._large
+        if hit := [n for n in numbers if n in large]:
+            self._demanded.extend(hit)
+            self._wake.set()
+
+    def _stream_read_files(self, at: int) -> bool:
+        """Insert into the plan at ``at`` the whole of each large file the start has read
+        since the last call and that was not streamed yet: from the sector read on to the
+        file's end, then its beginning. Returns whether it added any."""
+        order: list[int] = []
+        while self._demanded:
+            read = self._demanded.popleft()
+            k = self._large.get(read)
+            if k is None:
+                continue  # its file was streamed already
+            path, numbers = self._large_files[k]
+            for n in numbers:
+                self._large.pop(n, None)
+            log.info("prefetch: the start read %s (%d sectors); streaming it", path, len(numbers))
+            self.files_streamed += 1
+            at_read = numbers.index(read)
+            order += numbers[at_read:] + numbers[:at_read]
+        if order:
+            self.sectors[at:at] = order
+        return bool(order)
+
+    def _watch(self) -> bool:
+        """``AUTO``, the plan done: wait (up to ``stream_watch`` seconds after the mount)
+        until the start has read ``stream_fraction`` of the image's stored bytes (unless the
+        profile names that share already), then add the rest of the image to the plan; or
+        until it reads a large file not streamed yet. Returns whether there is more to do."""
         cfg, fetcher, index = self.config, self.fetcher, self.fetcher.index
         stored = sum(s.length for s in index.sectors)
         wanted = cfg.stream_fraction * stored
@@ -269,9 +328,13 @@ class Prefetcher:
         read = fetcher.metrics.touched_stored_bytes
         until = self._started + cfg.stream_watch
         while profiled < wanted and read.value < wanted:
+            if self._demanded:
+                return True
             left = until - time.monotonic()
-            if left <= 0 or self._stop.wait(min(STREAM_POLL_SECONDS, left)):
+            if left <= 0 or self._stop.is_set():
                 return False
+            self._wake.wait(min(STREAM_POLL_SECONDS, left))
+            self._wake.clear()
         self._stream_rest(f"the start read {read.value} and the profile names {profiled} "
                           f"of {stored} stored bytes")  # fmt: skip
         return True
@@ -286,9 +349,13 @@ class Prefetcher:
         i = 0
         watch = cfg.mode is PrefetchMode.AUTO
         try:
+            if watch and cfg.stream_large_files:
+                self._watch_large_files()
             if watch and self._stream_at_mount():
                 watch = False
             while not self._stop.is_set():
+                if self._demanded:  # a large file read: it goes before the rest of the plan
+                    self._stream_read_files(i)
                 # Fill the window, in plan order.
                 while i < len(self.sectors) and len(pending) < window.size:
                     wanted = fetcher.missing(self.sectors[i : i + cfg.batch_sectors])
@@ -310,9 +377,10 @@ class Prefetcher:
                         pending.append(batch)
                 if not pending:
                     if watch and i >= len(self.sectors) and spent < budget:
-                        watch = False
-                        if self._stream_when_read():
+                        if self._watch():
+                            watch = not self.streaming
                             continue
+                        watch = False
                     break
                 batch = pending.popleft()
                 while not batch.wait(0.1):
@@ -335,4 +403,5 @@ class Prefetcher:
         except ClosedError:
             return
         finally:
+            self._large = {}  # the fetcher's later demands are no news to anyone
             log.debug("prefetch: done, %d sectors fetched, window %d", self.fetched, window.size)

@@ -536,6 +536,7 @@ class MountServer:
                 "running": bool(pf and pf.running),
                 "window": pf.window.size if pf and pf.window else 0,
                 "streaming": bool(pf and pf.streaming),
+                "files_streamed": pf.files_streamed if pf else 0,
             },
             "cache": {
                 "dir": str(self.config.cache_dir),

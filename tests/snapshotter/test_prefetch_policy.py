@@ -333,3 +333,43 @@ def test_auto_waits_for_reads_when_large_files_hold_less_than_the_share(
     p = Prefetcher.for_mount(fetcher, cfg).start()
     assert p.wait(10) and not p.streaming
     assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
+
+
+def _requested_sectors(store, image: Image) -> list[int]:
+    with store._lock:
+        requests = list(store.requests)
+    return [n for offset, length in requests for n in image.sectors_in(offset, length)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_auto_streams_a_large_file_once_the_start_reads_it(
+    image: Image, store, make_fetcher: MakeFetcher, enabled: bool
+) -> None:
+    """A start that reads a large file (weights) reads it whole: the rest of the file is
+    fetched next, from the sector read on, then its beginning; nothing else is."""
+    fetcher = make_fetcher(dataclasses.replace(FAST, max_parallel_prefetch=1))
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_large_files=enabled, batch_sectors=1,
+                         min_window=1, large_file_bytes=10 * SECTOR, stream_fraction=0.9,
+                         stream_watch=30)  # fmt: skip
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    index = image.index
+    wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
+    before = len(_requested_sectors(store, image))
+    BlockReader(index, fetcher, readahead_bytes=0).read(*index.sector_span(14))
+    weights = list(range(8, 18))
+    if not enabled:
+        time.sleep(0.5)
+        assert p.files_streamed == 0
+        assert fetcher.missing(weights) == [11, 12, 13, 15, 16, 17]
+        p.stop()
+        return
+    wait_until(lambda: fetcher.missing(weights) == [])
+    assert p.files_streamed == 1 and not p.streaming and p.running
+    after = _requested_sectors(store, image)[before:]
+    assert after == [14, 15, 16, 17, 11, 13]  # 12 repeats 11's content: cached with it
+    assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
+    # A second read of the file streams nothing again.
+    BlockReader(index, fetcher, readahead_bytes=0).read(*index.sector_span(13))
+    time.sleep(0.3)
+    assert p.files_streamed == 1
+    p.stop()
