@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,32 +345,63 @@ def _preload_s3() -> bool:
 def _handle(listener: socket.socket, conn: socket.socket) -> str | None:
     """Fork a mount server for the request on ``conn``; returns the ref it mounts (None if
     nothing was forked)."""
+    pid, request, _ = fork_for(
+        listener, conn, "fork", "fork server", CONNECT_TIMEOUT, ForkServerError
+    )
+    if pid <= 0:
+        return None
+    mount = request.get("mount")
+    ref = mount.get("ref") if isinstance(mount, dict) else None
+    return ref if isinstance(ref, str) else None
+
+
+def fork_for(
+    listener: socket.socket, conn: socket.socket, launch: str, name: str, timeout: float,
+    error: type[Exception], check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+) -> tuple[int, dict[str, Any], int]:  # fmt: skip
+    """Serve one request on ``conn``, for the fork server and the node's launcher alike:
+    receive it (a JSON message and two descriptors, the server's log file and readiness
+    pipe) from a process of this uid; ``check(request)`` may refuse it (raises) or answer it
+    without a fork (returns the answer); fork the mount server (``launch`` says how it was
+    started) and tell the caller its pid, or why nothing was forked (a refusal is an
+    ``error`` that calls this server ``name``). Returns the server's pid (<= 0 when none),
+    the request and the caller's pid; never returns in the server."""
     fds: list[int] = []
+    pid, peer = -1, -1
+    request: dict[str, Any] = {}
     try:
-        conn.settimeout(CONNECT_TIMEOUT)
+        conn.settimeout(timeout)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _, uid, _ = struct.unpack("3i", creds)
+        peer, uid, _ = struct.unpack("3i", creds)
         message, ancdata, _, _ = conn.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * 4))
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
         if uid != os.getuid():
-            raise ForkServerError(f"uid {uid} may not use this fork server")
+            raise error(f"uid {uid} may not use this {name}")
+        got = json.loads(message)
+        if not isinstance(got, dict):
+            raise error("the request is not a JSON object")
+        request = got
+        if check is not None and (answer := check(request)) is not None:
+            conn.send(json.dumps(answer).encode())
+            return -1, request, peer
         if len(fds) != 2:
-            raise ForkServerError("expected a log file and a readiness pipe")
-        request = json.loads(message)
+            raise error("expected a log file and a readiness pipe")
         if threading.active_count() != 1:
-            raise ForkServerError("the fork server has threads; it will not fork")
+            raise error(f"the {name} has threads; it will not fork")
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
     except Exception as e:  # noqa: BLE001 - nothing forked: the caller starts it itself
         with contextlib.suppress(OSError):
             conn.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-        pid = -1
     try:
         if pid == 0:
-            _child(listener, conn, request, fds[0], fds[1])  # never returns
+            _become_server(
+                request["mount"], fds[0], fds[1], launch, close=(listener, conn),
+                env=request["env"], umask=int(request["umask"]),
+            )  # fmt: skip  # never returns
         if pid > 0:
             with contextlib.suppress(OSError):  # the caller then goes by the readiness pipe
                 conn.send(json.dumps({"pid": pid}).encode())
@@ -377,23 +409,7 @@ def _handle(listener: socket.socket, conn: socket.socket) -> str | None:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    if pid <= 0:
-        return None
-    mount = request.get("mount") if isinstance(request, dict) else None
-    ref = mount.get("ref") if isinstance(mount, dict) else None
-    return ref if isinstance(ref, str) else None
-
-
-def _child(
-    listener: socket.socket, conn: socket.socket, request: dict[str, Any], log_fd: int,
-    ready_fd: int,
-) -> None:  # fmt: skip
-    """The forked mount server: detach from the fork server, take on the caller's context
-    and serve; always leaves through ``os._exit``."""
-    _become_server(
-        request["mount"], log_fd, ready_fd, "fork", close=(listener, conn),
-        env=request["env"], umask=int(request["umask"]),
-    )  # fmt: skip
+    return pid, request, peer
 
 
 def fork_self(request: dict[str, Any], log_fd: int, ready_fd: int, close: tuple[int, ...]) -> int:

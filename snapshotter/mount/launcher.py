@@ -59,7 +59,6 @@ import os
 import select
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
@@ -283,24 +282,12 @@ def serve(path: Path) -> int:
 
 
 def _handle(listener: socket.socket, conn: socket.socket, version: str) -> None:
-    fds: list[int] = []
-    pid = -1
-    request: dict[str, Any] = {}
-    try:
-        conn.settimeout(TIMEOUT)
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        peer_pid, uid, _ = struct.unpack("3i", creds)
-        message, ancdata, _, _ = conn.recvmsg(forkserver.MAX_MESSAGE, socket.CMSG_SPACE(2 * 4))
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
-        if uid != os.getuid():
-            raise LauncherError(f"uid {uid} may not use this launcher")
-        request = json.loads(message)
+    """Fork a mount server for the request on ``conn``, as the fork server does, once the
+    request is checked against this launcher's code and view of the file system."""
+
+    def check(request: dict[str, Any]) -> dict[str, Any] | None:
         if request.get("hello"):
-            conn.send(json.dumps({"pid": os.getpid(), "code": version,
-                                  "version": _release()}).encode())  # fmt: skip
-            return
+            return {"pid": os.getpid(), "code": version, "version": _release()}
         if request.get("code") != version:
             raise LauncherError(
                 f"it runs lazyblock code {version}, the caller {request.get('code')} "
@@ -311,31 +298,14 @@ def _handle(listener: socket.socket, conn: socket.socket, version: str) -> None:
             if paths.get(p) is None or paths.get(p) != _identity(p):
                 raise LauncherError(f"{p} is not the same directory for the launcher and "
                                     "the caller (share it with the host)")  # fmt: skip
-        if len(fds) != 2:
-            raise LauncherError("expected a log file and a readiness pipe")
-        if threading.active_count() != 1:
-            raise LauncherError("the launcher has threads; it will not fork")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-    except Exception as e:  # noqa: BLE001 - nothing forked: the caller starts it itself
-        with contextlib.suppress(OSError):
-            conn.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-    try:
-        if pid == 0:
-            forkserver._become_server(
-                request["mount"], fds[0], fds[1], "launcher", close=(listener, conn),
-                env=request["env"], umask=int(request["umask"]),
-            )  # fmt: skip  # never returns
-        if pid > 0:
-            log.info("started the mount server of %s for pid %d: pid %d",
-                     request["mount"].get("mountpoint"), peer_pid, pid)  # fmt: skip
-            with contextlib.suppress(OSError):
-                conn.send(json.dumps({"pid": pid}).encode())
-    finally:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        return None
+
+    pid, request, peer = forkserver.fork_for(
+        listener, conn, "launcher", "launcher", TIMEOUT, LauncherError, check
+    )
+    if pid > 0:
+        log.info("started the mount server of %s for pid %d: pid %d",
+                 request["mount"].get("mountpoint"), peer, pid)  # fmt: skip
 
 
 def _release() -> str:
