@@ -215,18 +215,20 @@ class CacheMetrics:
 REMOUNT_FAILURES_FILE = "remount-failures.json"
 
 
-class RemountFailures:
-    """Remounts that failed, by reason (``auth``: the registry refused the credentials the
-    daemon had, or wanted some it had none of; ``other``), counted across daemon restarts in
-    ``path`` (a JSON object of counts; nothing else is written there); in memory only
-    without one."""
+class CountsFile:
+    """Events counted by reason, across restarts, in ``path`` (a JSON object of counts;
+    nothing else is written there), for the metrics exporter, a separate process; in memory
+    only without one. The daemon's remount failures (``auth``: the registry refused the
+    credentials the daemon had, or wanted some it had none of; ``other``) and the mounts that
+    could not go through the node launcher are counted so."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._counts = read_remount_failures(path) if path is not None else {}
+        self._counts = read_counts(path) if path is not None else {}
 
-    def failed(self, reason: str) -> None:
+    def add(self, reason: str) -> None:
+        """Count one more event of ``reason`` (and write the counts, if kept in a file)."""
         with self._lock:
             self._counts[reason] = self._counts.get(reason, 0) + 1
             counts = dict(self._counts)
@@ -246,7 +248,7 @@ class RemountFailures:
             return dict(self._counts)
 
 
-def read_remount_failures(path: Path) -> dict[str, int]:
+def read_counts(path: Path) -> dict[str, int]:
     """The counts a daemon recorded in ``path`` (empty if none, or unreadable)."""
     try:
         doc = json.loads(path.read_text())

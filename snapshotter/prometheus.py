@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from snapshotter.cache.sectors import cache_usage
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
-from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_remount_failures
+from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_counts
 
 # launcher.FALLBACKS_FILE (not imported: the exporter needs nothing of the mount code)
 LAUNCHER_FALLBACKS_FILE = "launcher-fallbacks.json"
@@ -173,10 +173,10 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
 
 
 def _by_reason(name: str, doc: str, path: Path, reasons: tuple[str, ...]) -> Metric:
-    """A counter by reason from a counts file (``RemountFailures``), every known reason
+    """A counter by reason from a counts file (``CountsFile``), every known reason
     present (0 until counted)."""
     family = CounterMetricFamily(name, doc, labels=["reason"])
-    counts = read_remount_failures(path)
+    counts = read_counts(path)
     for reason in sorted({*reasons, *counts}):
         family.add_metric([reason], counts.get(reason, 0))
     return family

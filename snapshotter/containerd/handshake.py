@@ -46,7 +46,7 @@ from snapshotter.containerd.snapshots import (
     SnapshotNotFoundError,
     SnapshotStore,
 )
-from snapshotter.metrics import REMOUNT_FAILURES_FILE, RemountFailures
+from snapshotter.metrics import REMOUNT_FAILURES_FILE, CountsFile
 from snapshotter.mount.api import MountError
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class RemoteLayers:
         self.store: SnapshotStore | None = None
         # Remounts that failed, for the metrics exporter; in memory until ``create`` (the
         # daemon) gives it a file under the mount state directory.
-        self.failures = RemountFailures()
+        self.failures = CountsFile()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -85,7 +85,7 @@ class RemoteLayers:
         mounter = MountBackend(config.mount, config.service.insecure_registries, credentials)
         resolver = LayerResolver(registry_manifests(lambda ref: mounter.config_for(ref).store))
         layers = cls(resolver, mounter, mounter.keychain)
-        layers.failures = RemountFailures(config.mount.state_dir / REMOUNT_FAILURES_FILE)
+        layers.failures = CountsFile(config.mount.state_dir / REMOUNT_FAILURES_FILE)
         return layers
 
     def recover_credentials(self) -> int:
@@ -182,7 +182,7 @@ class RemoteLayers:
                 self.mounter.mount(remote.ref, mountpoint)
             except MountError as e:
                 if e.cause == "AuthError":
-                    self.failures.failed("auth")
+                    self.failures.add("auth")
                     log.error(
                         "remote snapshot %s: remount of %s cannot authenticate (%s); retried "
                         "every remount_interval and before a Prepare that needs it: a CRI "
@@ -190,10 +190,10 @@ class RemoteLayers:
                         name, remote.ref, e,
                     )  # fmt: skip
                     raise RemountAuthError(str(e)) from None
-                self.failures.failed("other")
+                self.failures.add("other")
                 raise
             except Exception:
-                self.failures.failed("other")
+                self.failures.add("other")
                 raise
         log.info("remote snapshot %s: remounted at %s", name, mountpoint)
         return True

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshotter.errors import SnapshotterError
+from snapshotter.metrics import CountsFile
 from snapshotter.mount import forkserver
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,5 @@ def _release() -> str:
 
 def count_fallback(state_dir: Path, reason: str) -> None:
     """Count a mount that could not go through the launcher (for the metrics exporter)."""
-    from snapshotter.metrics import RemountFailures  # a counts file, whatever it counts
-
     with _version_lock:  # one writer at a time in this process (read, add, replace)
-        RemountFailures(Path(state_dir) / FALLBACKS_FILE).failed(reason)
+        CountsFile(Path(state_dir) / FALLBACKS_FILE).add(reason)

@@ -287,7 +287,7 @@ def test_credentials_for_remounts_survive_a_daemon_restart(
     killed after the restart is remounted with them. With every mount server gone too,
     the remount cannot authenticate: logged and counted, retried, and done once a pull
     gives credentials again. Nothing of them is written to disk."""
-    from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_remount_failures
+    from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_counts
     from snapshotter.prometheus import exposition
 
     node = restart_node
@@ -316,9 +316,9 @@ def test_credentials_for_remounts_survive_a_daemon_restart(
     node.wait_snapshotter()
     failures = mount_config(node).state_dir / REMOUNT_FAILURES_FILE
     deadline = time.monotonic() + 30
-    while read_remount_failures(failures).get("auth", 0) < 2 and time.monotonic() < deadline:
+    while read_counts(failures).get("auth", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)  # the start's check and at least one periodic retry
-    assert read_remount_failures(failures).get("auth", 0) >= 2
+    assert read_counts(failures).get("auth", 0) >= 2
     assert "cannot authenticate" in node.snapshotter.log_text()
     assert not alive_at(node, mountpoints)
     text = exposition(mount_config(node)).decode()

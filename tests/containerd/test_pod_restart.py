@@ -293,7 +293,7 @@ def test_daemon_falls_back_when_the_launcher_dies(
     live on; a mount the daemon then needs (here: a remount after a mount server and its
     holder were killed) is made in the daemon's own context, with a warning in its log and
     ``lazyblock_launcher_fallbacks_total{reason="unreachable"}``, and containers run."""
-    from snapshotter.metrics import read_remount_failures
+    from snapshotter.metrics import read_counts
     from snapshotter.prometheus import exposition
 
     ref, _ = pod_image
@@ -341,7 +341,7 @@ def test_daemon_falls_back_when_the_launcher_dies(
         log = daemon.log_text()
         assert "cannot reach the node launcher" in log
         assert "will not outlive it" in log
-        counts = read_remount_failures(mount.state_dir / launcher.FALLBACKS_FILE)
+        counts = read_counts(mount.state_dir / launcher.FALLBACKS_FILE)
         assert counts.get("unreachable", 0) >= 1
         text = exposition(mount).decode()
         assert 'lazyblock_launcher_fallbacks_total{reason="unreachable"}' in text

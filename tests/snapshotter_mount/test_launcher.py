@@ -29,7 +29,7 @@ from ocibuild import TarEntry, make_layer_tar
 from support import require_tool
 
 from snapshotter.config import MountConfig
-from snapshotter.metrics import read_remount_failures
+from snapshotter.metrics import read_counts
 from snapshotter.mount import api, launcher, state
 
 CYCLES = 20
@@ -287,7 +287,7 @@ def test_a_configured_launcher_that_is_gone_falls_back(
     info = api.mount(random_ref, mountpoint, cfg)
     assert (mountpoint / "data/part-1.bin").read_bytes() == FILES["data/part-1.bin"]
     assert info.alive
-    counts = read_remount_failures(config.state_dir / launcher.FALLBACKS_FILE)
+    counts = read_counts(config.state_dir / launcher.FALLBACKS_FILE)
     assert counts == {"unreachable": 1}
     api.unmount(mountpoint, cfg)
 
@@ -327,7 +327,7 @@ def test_the_launcher_refuses_other_code_and_other_directories(
     finally:
         launcher._version_cache = None
     assert os.readlink(f"/proc/{info.pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
-    counts = read_remount_failures(config.state_dir / launcher.FALLBACKS_FILE)
+    counts = read_counts(config.state_dir / launcher.FALLBACKS_FILE)
     assert counts == {"refused": 1}
     api.unmount(mountpoint, config)
 
