@@ -180,11 +180,10 @@ class PrefetchConfig:
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
 
-    stream_large_share: float = 2.0
+    stream_large_share: float = 0.5
     """``AUTO``: stream the whole image from the mount on, without waiting for the start's
     reads, when files of at least ``large_file_bytes`` hold this share of its stored bytes
-    (model weights, big shared libraries: what a start reads whole); above 1 (the default,
-    until it is measured against images with large files a start never reads): never."""
+    (model weights, big shared libraries: what a start reads whole); above 1: never."""
 
     stream_large_files: bool = True
     """``AUTO``: once the start reads a file of at least ``large_file_bytes`` that is not
@@ -192,7 +191,7 @@ class PrefetchConfig:
     of the rest of the plan: such a file is read whole or nearly, and on demand it would
     come one read (one round trip) at a time."""
 
-    large_file_bytes: int = 32 << 20
+    large_file_bytes: int = 64 << 20
     """What ``stream_large_share`` and ``stream_large_files`` count as a large file."""
 
     def __post_init__(self) -> None:
@@ -227,11 +226,14 @@ class MountConfig:
     """Warm the cache with the image's profile (its ``prefetch`` list) after mounting."""
     background_fetch: bool | None = None
     """Then fetch the rest of the image too (bandwidth-capped by ``prefetch_bandwidth``):
-    True always, False never, None (``auto``) once the start has read
-    ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole)."""
+    True always, False never, None (``auto``): from the mount when files of
+    ``prefetch_large_file_bytes`` or more hold ``prefetch_stream_large_share`` of the image's
+    stored bytes, else once the start has read ``prefetch_stream_fraction`` of them (an image
+    read mostly whole); see ``snapshotter.datapath.prefetch``."""
     prefetch_stream_fraction: float = 0.25
-    prefetch_stream_large_share: float = 2.0
+    prefetch_stream_large_share: float = 0.5
     prefetch_stream_large_files: bool = True
+    prefetch_large_file_bytes: int = 64 << 20
     prefetch_bandwidth: int | None = None
     """Bytes per second the prefetcher may pull; None for no cap."""
     prefetch_batch_sectors: int = 4
@@ -292,6 +294,7 @@ class MountConfig:
             stream_fraction=self.prefetch_stream_fraction,
             stream_large_share=self.prefetch_stream_large_share,
             stream_large_files=self.prefetch_stream_large_files,
+            large_file_bytes=self.prefetch_large_file_bytes,
         )
 
     # --- transport to the mount server (a JSON document on its stdin) ----------------------
@@ -489,6 +492,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "prefetch.stream_fraction": (_float, "m.prefetch_stream_fraction"),
     "prefetch.stream_large_share": (_float, "m.prefetch_stream_large_share"),
     "prefetch.stream_large_files": (_bool, "m.prefetch_stream_large_files"),
+    "prefetch.large_file_bytes": (parse_size, "m.prefetch_large_file_bytes"),
     "prefetch.bandwidth": (_opt_size, "m.prefetch_bandwidth"),
     "prefetch.batch_sectors": (_int, "m.prefetch_batch_sectors"),
     "prefetch.max_cache_fraction": (_float, "m.prefetch_max_cache_fraction"),

@@ -16,16 +16,21 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    read almost entirely (model weights), streaming the image sequentially at full bandwidth
    beats fetching it in scattered on-demand pieces.
 
-``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount,
-when ``stream_large_share`` is set (it is off by default: the test suite's images, a big
-data file never read, show what it costs an image whose large files the start skips): an
-image whose large files (``large_file_bytes``, 32 MiB and more) hold at least that share
-(0.5) of its stored bytes is streamed whole from the start. Those
+``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount:
+an image whose large files (``large_file_bytes``, 64 MiB and more) hold at least
+``stream_large_share`` (half) of its stored bytes is streamed whole from the start. Those
 are model weights and the big shared libraries of ML frameworks, which a start reads whole
 or nearly (the cold-start benchmark's ML image: two such files, the weights and
-libtorch_cpu.so, hold 77 % of its stored bytes, and its start reads 75-89 % of them);
-waiting for the start's reads to prove it cost that image 1.6x its floor with the link idle
-between reads (``benchmarks/coldstart/README.md``). Otherwise, while the container starts:
+libtorch_cpu.so, hold 77 % of its stored bytes, and its start reads 75-89 % of them). It is
+a guess from the index's shape, made because the alternative is slow: without a profile,
+waiting for the start's reads to show it kept that image at 1.6x its floor at 1 Gbit/s
+(the start reads the weights only once torch is imported, 5-7 s in, and the link idles
+until then), streaming from the mount brought it to 1.15x (``benchmarks/coldstart/README.md``).
+An image whose big files the start skips (a data set, a second checkpoint) pays for the
+guess in bandwidth and cache, not in its start's reads, which go first (and a profile's
+sectors go before the rest); ``stream_large_share`` above 1 turns it off. Smaller files stay
+lazy: the quickstart's 32 MiB of weights, the test images' 48 MiB data file. Otherwise,
+while the container starts:
 the whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
 image's stored bytes (the sectors its reads touched, each counted once; read-ahead and
 prefetch do not count: guesses must not feed guesses), or right after the profile when the
@@ -41,8 +46,7 @@ the fetcher tells the prefetcher of every on-demand read), the whole file goes n
 plan, from that sector to the file's end, then its beginning: weights and the big shared
 libraries of ML frameworks are read whole or nearly, and on demand they would come one read,
 one round trip, at a time, with the link idle in between. A large file the start never
-reads (a data set beside the application, the test suite's 48 MiB data file) is never
-fetched for it.
+reads (a data set beside the application) is never fetched for it.
 
 All-zero sectors are never listed (they cost nothing to read).
 

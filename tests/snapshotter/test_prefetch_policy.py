@@ -366,7 +366,9 @@ def test_auto_streams_a_large_file_once_the_start_reads_it(
     wait_until(lambda: fetcher.missing(weights) == [])
     assert p.files_streamed == 1 and not p.streaming and p.running
     after = _requested_sectors(store, image)[before:]
-    assert after == [14, 15, 16, 17, 11, 13]  # 12 repeats 11's content: cached with it
+    # The demand read races the prefetch of the sectors after it to the store.
+    assert after.count(14) == 1
+    assert [n for n in after if n != 14] == [15, 16, 17, 11, 13]  # 12 repeats 11's content
     assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
     # A second read of the file streams nothing again.
     BlockReader(index, fetcher, readahead_bytes=0).read(*index.sector_span(13))
