@@ -452,7 +452,7 @@ def run_foreground(
 ) -> int:
     """Serve a mount in this process (``snapshotter mount --foreground``, systemd units)
     until it is unmounted or signalled; ``on_ready`` gets the readiness document."""
-    from snapshotter.mount import server as mountd
+    from snapshotter.mount import server as mount_server
 
     mountpoint = Path(os.path.abspath(mountpoint))
     # Relative paths are the command's, whatever directory the server ends up in.
@@ -463,7 +463,7 @@ def run_foreground(
         if record.alive:
             raise AlreadyMountedError(f"{mountpoint} is already mounted ({record.ref})")
         unmount(mountpoint, config)
-    return mountd.run(ref, mountpoint, config, on_ready)
+    return mount_server.run(ref, mountpoint, config, on_ready)
 
 
 def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> None:

@@ -32,7 +32,7 @@ Safety:
   on (they are in their own sessions; init adopts them).
 
 Protocol (``SOCK_SEQPACKET``, one message each way): the caller sends a JSON object
-``{"mount": <mountd request>, "env": {...}, "umask": N}`` with two file descriptors attached
+``{"mount": <mount server request>, "env": {...}, "umask": N}`` with two file descriptors attached
 (log file, readiness pipe); the fork server answers ``{"pid": N}`` after forking, or
 ``{"error": "..."}`` if it did not fork (the caller may then start the server itself).
 """
@@ -137,7 +137,7 @@ def _package_root() -> Path:
 
 def socket_name(key: str) -> bytes:
     """The abstract socket address of the fork server of context ``key``."""
-    return b"\0lazyblock-mountd-" + key.encode()
+    return b"\0lazyblock-forkserver-" + key.encode()
 
 
 def spawn(request: dict[str, Any], log_fd: int, ready_fd: int) -> int | None:
@@ -254,7 +254,7 @@ def preload() -> None:
     from imagetool.stores import dir as _dir  # noqa: F401
     from imagetool.stores import registry as _registry  # noqa: F401
     from imagetool.stores.base import StoreOptions
-    from snapshotter.mount import server as mountd  # noqa: F401
+    from snapshotter.mount import server as _server  # noqa: F401
 
     # A client imports its HTTP stack when it is built, and host names go through IDNA on
     # the first request: have both done (no connection is made).
@@ -461,9 +461,9 @@ def _become_server(
             os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        from snapshotter.mount import server as mountd
+        from snapshotter.mount import server
 
-        code = mountd.serve_request(request, ready_fd, launch=launch)
+        code = server.serve_request(request, ready_fd, launch=launch)
     except BaseException:  # noqa: BLE001 - report and leave; never back into the caller
         with contextlib.suppress(Exception):
             traceback.print_exc()

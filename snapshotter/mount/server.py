@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     from snapshotter.startup import skip_unused_imports
 
     skip_unused_imports()
-    parser = argparse.ArgumentParser(prog="snapshotter-mountd")
+    parser = argparse.ArgumentParser(prog="snapshotter-mount-server")
     parser.add_argument("--ready-fd", type=int, required=True)
     args = parser.parse_args(argv)
     return serve_request(json.loads(sys.stdin.read()), args.ready_fd)

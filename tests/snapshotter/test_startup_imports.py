@@ -46,7 +46,7 @@ def test_a_mount_server_on_a_registry_or_directory_store_imports_neither_boto3_n
         """
         from snapshotter.startup import skip_unused_imports
         skip_unused_imports()
-        from snapshotter.mount import server as mountd
+        from snapshotter.mount import server as mount_server
         from imagetool.stores import open_store
         open_store("docker://127.0.0.1:9/some/image:v1").close()
         open_store("/nonexistent/store/image:v1")
