@@ -16,21 +16,23 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    read almost entirely (model weights), streaming the image sequentially at full bandwidth
    beats fetching it in scattered on-demand pieces.
 
-``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount:
-an image whose large files (``large_file_bytes``, 64 MiB and more) hold at least
-``stream_large_share`` (half) of its stored bytes is streamed whole from the start. Those
-are model weights and the big shared libraries of ML frameworks, which a start reads whole
-or nearly (the cold-start benchmark's ML image: two such files, the weights and
-libtorch_cpu.so, hold 77 % of its stored bytes, and its start reads 75-89 % of them). It is
-a guess from the index's shape, made because the alternative is slow: without a profile,
-waiting for the start's reads to show it kept that image at 1.6x its floor at 1 Gbit/s
-(the start reads the weights only once torch is imported, 5-7 s in, and the link idles
-until then), streaming from the mount brought it to 1.15x (``benchmarks/coldstart/README.md``).
-An image whose big files the start skips (a data set, a second checkpoint) pays for the
-guess in bandwidth and cache, not in its start's reads, which go first (and a profile's
-sectors go before the rest); ``stream_large_share`` above 1 turns it off. Smaller files stay
-lazy: the quickstart's 32 MiB of weights, the test images' 48 MiB data file. Otherwise,
-while the container starts:
+``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount,
+when ``stream_large_share`` is set (0.5; it is off by default): an image whose large files
+(``large_file_bytes``, 64 MiB and more) hold at least that share of its stored bytes is
+streamed whole from the start. Those are model weights and the big shared libraries of ML
+frameworks, which a start reads whole or nearly (the cold-start benchmark's ML image: two
+such files, the weights and libtorch_cpu.so, hold 77 % of its stored bytes, and its start
+reads 75-89 % of them). Without a profile, waiting for the start's reads to show it keeps
+that image at 1.6x its floor at 1 Gbit/s (the start reads the weights only once torch is
+imported, 5-7 s in, and the link carries one read at a time until then); streaming from the
+mount brought it to 1.2x (``benchmarks/coldstart/README.md``). It is off by default because
+it is a guess from the index's shape, wrong for an image whose big files its start never
+reads: the quickstart's sample (an app and 256 MiB of weights it does not read) was fetched
+whole, 100 % of it instead of 0.4 %. Streaming the image at the start's first read of a
+large file instead (libtorch, 2-3 s in) kept that sample lazy but measured 1.7x on the ML
+image, no better than waiting
+(``benchmarks/coldstart/results/2026-12-06-stream-on-first-large-read.md``).
+Otherwise, while the container starts:
 the whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
 image's stored bytes (the sectors its reads touched, each counted once; read-ahead and
 prefetch do not count: guesses must not feed guesses), or right after the profile when the

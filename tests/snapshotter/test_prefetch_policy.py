@@ -363,12 +363,14 @@ def test_auto_streams_a_large_file_once_the_start_reads_it(
         assert fetcher.missing(weights) == [11, 12, 13, 15, 16, 17]
         p.stop()
         return
-    wait_until(lambda: fetcher.missing(weights) == [])
+    cached = [index.sectors[n].checksum for n in weights]  # not only asked for: in the cache
+    wait_until(lambda: all(c in fetcher.cache for c in cached))
     assert p.files_streamed == 1 and not p.streaming and p.running
     after = _requested_sectors(store, image)[before:]
     # The demand read races the prefetch of the sectors after it to the store.
     assert after.count(14) == 1
-    assert [n for n in after if n != 14] == [15, 16, 17, 11, 13]  # 12 repeats 11's content
+    # (The profile's last sectors may still be on their way: only the file's count.)
+    assert [n for n in after if 8 <= n < 18 and n != 14] == [15, 16, 17, 11, 13]  # 12 = 11
     assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
     # A second read of the file streams nothing again.
     BlockReader(index, fetcher, readahead_bytes=0).read(*index.sector_span(13))
