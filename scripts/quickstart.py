@@ -303,7 +303,10 @@ def main() -> int:
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: Python leaves it ignored when it starts with it ignored (a shell without
+    # job control starts background commands so: then Ctrl-C, sent to the process group,
+    # did nothing and the run went on to its end).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupted)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="lazyblock-quickstart-", dir=args.workdir.absolute()))

@@ -46,12 +46,9 @@ def left_behind(where: Path) -> list[str]:
 
 
 def quickstart(flavour: str, workdir: Path) -> subprocess.Popen[str]:
-    # At a lower priority than this test (nice execs the interpreter: same pid): on a busy
-    # machine the test must see a step begin before the step is over, or a Ctrl-C meant for
-    # the lazy start lands in the cleanup, which ignores it (twice so on a loaded machine).
     return subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, str(QUICKSTART), "--containerd", flavour,
-         "--weights", WEIGHTS_MIB, "--workdir", str(workdir)],
+        [sys.executable, str(QUICKSTART), "--containerd", flavour, "--weights", WEIGHTS_MIB,
+         "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
 
