@@ -213,14 +213,18 @@ class FaultyStore(Store):
         self._gate.clear()
         return _StallingBody(self.url, data, stall, self._gate)
 
+    def requested_sectors(self, image: Image) -> list[int]:
+        """The stored sectors read from the store, in the order of the requests (a sector
+        once per request that read it)."""
+        with self._lock:
+            requests = list(self.requests)
+        return [n for offset, length in requests for n in image.sectors_in(offset, length)]
+
     def fetch_counts(self, image: Image) -> dict[int, int]:
         """How many times each stored sector was read from the store."""
         counts: dict[int, int] = {}
-        with self._lock:
-            requests = list(self.requests)
-        for offset, length in requests:
-            for n in image.sectors_in(offset, length):
-                counts[n] = counts.get(n, 0) + 1
+        for n in self.requested_sectors(image):
+            counts[n] = counts.get(n, 0) + 1
         return counts
 
     def has_blob(self, digest: str) -> bool:

@@ -335,12 +335,6 @@ def test_auto_waits_for_reads_when_large_files_hold_less_than_the_share(
     assert len(fetcher.missing(stored(image))) > len(stored(image)) // 2
 
 
-def _requested_sectors(store, image: Image) -> list[int]:
-    with store._lock:
-        requests = list(store.requests)
-    return [n for offset, length in requests for n in image.sectors_in(offset, length)]
-
-
 @pytest.mark.parametrize("enabled", [True, False])
 def test_auto_streams_a_large_file_once_the_start_reads_it(
     image: Image, store, make_fetcher: MakeFetcher, enabled: bool
@@ -354,7 +348,7 @@ def test_auto_streams_a_large_file_once_the_start_reads_it(
     p = Prefetcher.for_mount(fetcher, cfg).start()
     index = image.index
     wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
-    before = len(_requested_sectors(store, image))
+    before = len(store.requested_sectors(image))
     BlockReader(index, fetcher, readahead_bytes=0).read(*index.sector_span(14))
     weights = list(range(8, 18))
     if not enabled:
@@ -366,7 +360,7 @@ def test_auto_streams_a_large_file_once_the_start_reads_it(
     cached = [index.sectors[n].checksum for n in weights]  # not only asked for: in the cache
     wait_until(lambda: all(c in fetcher.cache for c in cached))
     assert p.files_streamed == 1 and not p.streaming and p.running
-    after = _requested_sectors(store, image)[before:]
+    after = store.requested_sectors(image)[before:]
     # The demand read races the prefetch of the sectors after it to the store.
     assert after.count(14) == 1
     # (The profile's last sectors may still be on their way: only the file's count.)
