@@ -121,12 +121,15 @@ def large_files(index: Index, large_file_bytes: int) -> list[tuple[str, list[int
 def large_file_share(index: Index, large_file_bytes: int) -> float:
     """The share of ``index``'s stored bytes in sectors that hold files of at least
     ``large_file_bytes`` (each sector counted once)."""
+    return _stored_share(index, large_files(index, large_file_bytes))
+
+
+def _stored_share(index: Index, files: list[tuple[str, list[int]]]) -> float:
+    """The share of ``index``'s stored bytes in the sectors of ``files`` (``large_files``)."""
     stored = sum(s.length for s in index.sectors)
     if not stored:
         return 0.0
-    covered: set[int] = set()
-    for _, numbers in large_files(index, large_file_bytes):
-        covered.update(numbers)
+    covered = {n for _, numbers in files for n in numbers}
     return sum(index.sectors[n].length for n in covered) / stored
 
 
@@ -231,7 +234,7 @@ class Prefetcher:
         self.streaming = False  # AUTO: the whole image was added to the plan
         self.files_streamed = 0  # AUTO: large files added to the plan once the start read them
         self._large: dict[int, int] = {}  # AUTO: sector -> its large file (in _large_files)
-        self._large_files: list[tuple[str, list[int]]] = []
+        self._large_files: list[tuple[str, list[int]]] = []  # AUTO: path, stored sectors
         self._demanded: deque[int] = deque()  # sectors of large files read on demand
         self._wake = threading.Event()  # a large file was read, or stop()
         self._started = time.monotonic()
@@ -280,7 +283,7 @@ class Prefetcher:
         cfg = self.config
         if cfg.stream_large_share > 1:
             return False
-        share = large_file_share(self.fetcher.index, cfg.large_file_bytes)
+        share = _stored_share(self.fetcher.index, self._large_files)
         if share < cfg.stream_large_share:
             return False
         self._stream_rest(f"files of {cfg.large_file_bytes >> 20} MiB or more hold "
@@ -289,7 +292,6 @@ class Prefetcher:
 
     def _watch_large_files(self) -> None:
         """``AUTO``: learn from the fetcher which large files the start reads on demand."""
-        self._large_files = large_files(self.fetcher.index, self.config.large_file_bytes)
         self._large = {n: k for k, (_, numbers) in enumerate(self._large_files) for n in numbers}
         if self._large:
             self.fetcher.on_demand(self._on_demand)
@@ -355,6 +357,8 @@ class Prefetcher:
         i = 0
         watch = cfg.mode is PrefetchMode.AUTO
         try:
+            if watch and (cfg.stream_large_files or cfg.stream_large_share <= 1):
+                self._large_files = large_files(index, cfg.large_file_bytes)  # once, for both
             if watch and cfg.stream_large_files:
                 self._watch_large_files()
             if watch and self._stream_at_mount():
