@@ -15,6 +15,7 @@ import random
 import select
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -146,9 +147,11 @@ class MirrorServer:
     (404), ``error`` (502), ``cut`` (the connection closed after ``cut_after`` body bytes),
     ``stall`` (no more bytes after ``cut_after``), ``hang`` (no answer) or ``challenge``
     (401 Basic until the request carries ``Authorization``). Records (path, query,
-    headers) of every request."""
+    headers) of every request. With ``tls`` (a server-side ``ssl.SSLContext``) it speaks
+    https, its handshakes done in each connection's thread; ``handshake_failures`` counts
+    those that failed (an untrusted certificate, a missing client certificate)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, tls: ssl.SSLContext | None = None) -> None:
         self.upstream = upstream
         self.mode = "pass"
         self.cut_after = 4096
@@ -202,8 +205,22 @@ class MirrorServer:
                     return
                 self.wfile.write(body)
 
+            def handle(self) -> None:
+                if tls is not None:
+                    try:
+                        self.request.do_handshake()
+                    except (ssl.SSLError, OSError):
+                        mirror.handshake_failures += 1
+                        return
+                super().handle()
+
+        self.handshake_failures = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(
+                self.server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
