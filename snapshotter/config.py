@@ -180,13 +180,13 @@ class PrefetchConfig:
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
 
-    stream_large_share: float = 2.0
+    stream_large_share: float = 0.5
     """``AUTO``: stream the whole image from the mount on, without waiting for the start's
     reads, when files of at least ``large_file_bytes`` hold this share of its stored bytes
-    (model weights, big shared libraries: what a start reads whole); above 1 (the default):
-    never. 0.5 takes the ML image of the cold-start benchmark from 1.6x its floor to 1.2x
-    without a profile, and streams whole an image whose big files its start never reads
-    (the quickstart's sample: 100 % of it fetched instead of 0.4 %)."""
+    (model weights, big shared libraries: what a start reads whole); above 1: never. 0.5
+    takes the ML image of the cold-start benchmark from 1.6x its floor to 1.2x without a
+    profile; an image whose big files its start never reads is fetched whole too, in the
+    background (the quickstart's sample: its start needs 0.4 % of it)."""
 
     stream_large_files: bool = True
     """``AUTO``: once the start reads a file of at least ``large_file_bytes`` that is not
@@ -235,7 +235,7 @@ class MountConfig:
     ``prefetch_large_file_bytes`` or more hold that share; see
     ``snapshotter.datapath.prefetch``."""
     prefetch_stream_fraction: float = 0.25
-    prefetch_stream_large_share: float = 2.0
+    prefetch_stream_large_share: float = 0.5
     prefetch_stream_large_files: bool = True
     prefetch_large_file_bytes: int = 64 << 20
     prefetch_bandwidth: int | None = None

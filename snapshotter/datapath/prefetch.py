@@ -16,8 +16,8 @@ What, in which order. ``plan(index, mode)`` is the whole policy, a pure function
    read almost entirely (model weights), streaming the image sequentially at full bandwidth
    beats fetching it in scattered on-demand pieces.
 
-``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount,
-when ``stream_large_share`` is set (0.5; it is off by default): an image whose large files
+``PrefetchMode.AUTO`` (the default) decides the third step. From the index, at the mount
+(``stream_large_share``, 0.5; above 1 turns it off): an image whose large files
 (``large_file_bytes``, 64 MiB and more) hold at least that share of its stored bytes is
 streamed whole from the start. Those are model weights and the big shared libraries of ML
 frameworks, which a start reads whole or nearly (the cold-start benchmark's ML image: two
@@ -25,12 +25,15 @@ such files, the weights and libtorch_cpu.so, hold 77 % of its stored bytes, and 
 reads 75-89 % of them). Without a profile, waiting for the start's reads to show it keeps
 that image at 1.6x its floor at 1 Gbit/s (the start reads the weights only once torch is
 imported, 5-7 s in, and the link carries one read at a time until then); streaming from the
-mount brought it to 1.2x (``benchmarks/coldstart/README.md``). It is off by default because
-it is a guess from the index's shape, wrong for an image whose big files its start never
-reads: the quickstart's sample (an app and 256 MiB of weights it does not read) was fetched
-whole, 100 % of it instead of 0.4 %. Streaming the image at the start's first read of a
-large file instead (libtorch, 2-3 s in) kept that sample lazy but measured 1.7x on the ML
-image, no better than waiting
+mount brought it to 1.2x (``benchmarks/coldstart/README.md``). It is a guess from the
+index's shape, wrong for an image whose big files its start never reads: the quickstart's
+sample (an app and 256 MiB of weights it does not read) is fetched whole, in the background,
+though its start needs 0.4 % of it (the start is not slower for it; the egress and the cache
+space are spent, up to ``max_cache_fraction`` of the cache). That is the trade stargz's
+snapshotter makes for every layer by default (its background fetch); here it is made only
+for images shaped like what GPU serving runs. Streaming the image at the start's first read
+of a large file instead (libtorch, 2-3 s in) kept that sample lazy but measured 1.7x on the
+ML image, no better than waiting
 (``benchmarks/coldstart/results/2026-12-06-stream-on-first-large-read.md``).
 Otherwise, while the container starts:
 the whole image is streamed once the start has read ``stream_fraction`` (a quarter) of the
