@@ -52,6 +52,10 @@ process and by stage (received, decompressed, hashed, written to the cache, repl
 the interpreter, ...) from a system-wide ``perf record`` (``benchmarks/cpustages.py``;
 empty where perf cannot record).
 
+``server_memory_MB``: the mount server's resident memory after the cold pass (its peak,
+then, and after it has been quiet a few seconds), which should not grow with the image
+beyond its index: compare ``--size``s.
+
 ``--content random`` builds the image from random bytes alone (incompressible: zstd keeps
 them as raw blocks), for the cost of a byte that needs no decompression; use another
 ``--work`` directory than the default image's.
@@ -94,12 +98,31 @@ MIB = 1 << 20
 FILE_SIZE = 64 * MIB
 RANDOM_READ = 128 << 10
 RANDOM_COUNT = 2000
+QUIET_SECONDS = 5.0  # more than the mount server's 2 s of quiet before it trims its heap
 LATENCY_COUNT = 500
 
 
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def server_memory(pid: int) -> dict[str, float]:
+    """A mount server's resident memory after a cold pass, in MB: its peak (``VmHWM``), now
+    (``VmRSS``), and now after it has been quiet for ``QUIET_SECONDS`` (it gives the
+    memory of a burst back then)."""
+
+    def read() -> dict[str, float]:
+        fields = {}
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                fields[key] = int(value.split()[0]) * 1024 / 1e6
+        return fields
+
+    now = read()
+    time.sleep(QUIET_SECONDS)
+    return {"peak": now["VmHWM"], "after_pass": now["VmRSS"], "quiet": read()["VmRSS"]}
 
 
 def _process_cpu(pid: int) -> float:
@@ -359,6 +382,7 @@ def measure(
         fetch = stats["fetch"]
         out["cold_fetch"] = {k: v for k, v in fetch.items() if not isinstance(v, dict)}
         out["cold_fetch"]["readahead_sectors"] = stats.get("readahead_sectors")  # type: ignore[index]
+        out["server_memory_MB"] = server_memory(server.pid)
         drop_caches()
         out["warm_seq_MBps"] = seq_read(mnt)
         drop_caches()
@@ -602,6 +626,7 @@ def main() -> int:
         target = 0.7 * results["store_MBps"] / 1e3  # type: ignore[operator]  # GB/s of image
         r["cold_seq_cpu_per_GB_for_target"] = cpus / target
         r["cold_fetch"] = passes[-1]["cold_fetch"]
+        r["server_memory_MB"] = _median_of([p["server_memory_MB"] for p in passes])  # type: ignore[misc]
         r["cold_seq_stages"] = _median_stages([p["cold_seq_stages"] for p in passes])  # type: ignore[misc]
         # Everything but the store: the budget a node pays per GB read cold.
         r["cold_seq_cpu"]["all_but_store"] = cpu["machine"] - cpu.get("registry", 0.0)
