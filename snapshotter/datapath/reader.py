@@ -195,25 +195,19 @@ class BlockReader:
                 if n not in self._touched:
                     self._touched[n] = None
                     self.metrics.touched_stored_bytes.inc(index.sectors[n].length)
-                data = self._memory.get(n)
-                if data is not None:
-                    # A sector whose every byte has been read has most likely been used up
-                    # (a sequential reader moves on): it goes first when room is needed,
-                    # before the sectors read ahead that nobody has read yet. The kernel's
-                    # requests within its read-ahead window arrive in any order, so bytes
-                    # are counted, not just whether a read reached the sector's end.
-                    _, lo, hi = spans[n]
-                    used = self._used.get(n, 0) + hi - lo
-                    self._used[n] = used
-                    self._memory.move_to_end(n, last=used < len(data))
-                    parts[n] = memoryview(data)[lo:hi]
-        if parts:
-            self.metrics.memory_hits.inc(len(parts))
+                if (view := self._from_memory(n, spans[n])) is not None:
+                    parts[n] = view
         wanted = []
         room = scratch
         for n in numbers:
             if n in parts:
                 continue
+            # Read-ahead may have delivered it while an earlier sector of this read came from
+            # the disk (a fetched sector reaches memory before the cache): no disk read then.
+            with self._lock:
+                if (view := self._from_memory(n, spans[n])) is not None:
+                    parts[n] = view
+                    continue
             _, lo, hi = spans[n]
             if room is None or len(room) < view_room(hi - lo):
                 room = scratch_memory(max(view_room(hi - lo), len(room) if room else 0))
@@ -223,6 +217,12 @@ class BlockReader:
                 continue
             parts[n], took = got
             room = room[took:]
+        if wanted:  # ... or since its cache lookup: then the fetcher would read it back
+            with self._lock:
+                for n in wanted:
+                    if (view := self._from_memory(n, spans[n])) is not None:
+                        parts[n] = view
+            wanted = [n for n in wanted if n not in parts]
         if wanted:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             fetched = self.fetcher.get(wanted, deadline)
@@ -232,6 +232,24 @@ class BlockReader:
                 parts[n] = memoryview(data)[lo:hi]
         self.metrics.read_bytes.inc(end - offset)
         return [parts[n] for n in numbers]
+
+    def _from_memory(self, n: int, span: tuple[int, int, int]) -> memoryview | None:
+        """Lock held: sector ``n``'s bytes ``span`` from memory, or None if it is not there.
+
+        A sector whose every byte has been read has most likely been used up (a sequential
+        reader moves on): it goes first when room is needed, before the sectors read ahead
+        that nobody has read yet. The kernel's requests within its read-ahead window arrive
+        in any order, so bytes are counted, not just whether a read reached the sector's end.
+        """
+        data = self._memory.get(n)
+        if data is None:
+            return None
+        _, lo, hi = span
+        used = self._used.get(n, 0) + hi - lo
+        self._used[n] = used
+        self._memory.move_to_end(n, last=used < len(data))
+        self.metrics.memory_hits.inc()
+        return memoryview(data)[lo:hi]
 
     def touched_sectors(self) -> list[int]:
         """Sectors read so far, in first-access order."""
