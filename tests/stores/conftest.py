@@ -14,6 +14,7 @@ import pytest
 import zstandard
 
 from imagetool.format import MIN_SECTOR_SIZE, Blob, Index, Sector, sector_checksum, sha256_digest
+from imagetool.registry import mirrors
 from imagetool.stores import StoreOptions
 from imagetool.stores.base import Store
 
@@ -139,3 +140,12 @@ def http_server() -> Iterator[Callable[[Handler], str]]:
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def fresh_mirror_health() -> Iterator[None]:
+    """Mirrors' back-off and counts are per process: the test starts with none, and leaves
+    none."""
+    mirrors._health.clear()
+    yield
+    mirrors._health.clear()

@@ -19,12 +19,13 @@ from support import MirrorServer, token_auth_registry
 
 from imagetool.errors import StoreError
 from imagetool.format import BLOB_MEDIA_TYPE
-from imagetool.registry import mirrors
 from imagetool.registry.hosts import load_hosts_dir
 from imagetool.stores import StoreOptions
 from imagetool.stores.registry import RegistryStore
 
 BLOB = bytes(range(256)) * 8192  # 2 MiB
+
+pytestmark = pytest.mark.usefixtures("fresh_mirror_health")
 
 
 @pytest.fixture
@@ -38,14 +39,6 @@ def mirror_factory() -> Iterator[Callable[[str], MirrorServer]]:
     yield make
     for m in made:
         m.stop()
-
-
-@pytest.fixture(autouse=True)
-def fresh_health() -> Iterator[None]:
-    """Back-off and counts are per process: each test starts with none."""
-    mirrors._health.clear()
-    yield
-    mirrors._health.clear()
 
 
 def _hosts(tmp_path: Path, registry: str, toml: str) -> StoreOptions:

@@ -22,8 +22,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from support import MirrorServer
 from test_registry_mirrors import BLOB, _hosts, _push
 
-from imagetool.registry import mirrors
 from imagetool.stores.registry import RegistryStore
+
+pytestmark = pytest.mark.usefixtures("fresh_mirror_health")
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-@pytest.fixture(autouse=True)
-def fresh_health() -> Iterator[None]:
-    mirrors._health.clear()
-    yield
-    mirrors._health.clear()
-
-
 def _tls_mirror(upstream: str, pki: Pki, require_client: bool = False) -> MirrorServer:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pki.server_cert, pki.server_key)
@@ -142,45 +136,47 @@ def mirror_of(registry, pki) -> Iterator:
         m.stop()
 
 
-def test_mirror_trusted_through_its_ca(registry, pki, tmp_path, mirror_of) -> None:
-    mirror = mirror_of()
-    m, s = _read_through(registry.host, tmp_path, mirror, f'  ca = "{pki.ca}"\n')
+# hosts.toml lines of the mirror's entry, from the test's certificates.
+CA = 'ca = "{pki.ca}"'
+CLIENT = 'client = [["{pki.client_cert}", "{pki.client_key}"]]'
+
+
+@pytest.mark.parametrize(
+    ("require_client", "lines"),
+    [
+        (False, [CA]),  # trusted through its ca
+        (False, ["skip_verify = true"]),  # not verified: reached all the same
+        (True, [CA, CLIENT]),  # it asks for a client certificate, and gets one
+    ],
+    ids=["ca", "skip_verify", "client_certificate"],
+)
+def test_mirror_serves_the_read(
+    registry, pki, tmp_path, mirror_of, require_client: bool, lines: list[str]
+) -> None:
+    mirror = mirror_of(require_client)
+    host_lines = "".join(f"  {line.format(pki=pki)}\n" for line in lines)
+    m, s = _read_through(registry.host, tmp_path, mirror, host_lines)
     assert mirror.blob_reads() == 1 and mirror.handshake_failures == 0
     assert (m["requests"], m["bytes"], m["errors"]) == (1, 300_000, 0)
     assert s["requests"] == 0
 
 
-def test_untrusted_mirror_is_passed_over(registry, tmp_path, mirror_of) -> None:
-    """Its certificate is signed by a CA the node was not told of: the handshake fails, the
-    mirror is backed off and counted, the registry serves the read."""
-    mirror = mirror_of()
-    m, s = _read_through(registry.host, tmp_path, mirror, "")
+@pytest.mark.parametrize(
+    ("require_client", "lines"),
+    [
+        (False, []),  # signed by a CA the node was not told of
+        (True, [CA]),  # it asks for a client certificate the node does not have
+    ],
+    ids=["untrusted", "no_client_certificate"],
+)
+def test_mirror_the_handshake_fails_with_is_passed_over(
+    registry, pki, tmp_path, mirror_of, require_client: bool, lines: list[str]
+) -> None:
+    """The handshake fails, the mirror is backed off and counted, the registry serves the
+    read."""
+    mirror = mirror_of(require_client)
+    host_lines = "".join(f"  {line.format(pki=pki)}\n" for line in lines)
+    m, s = _read_through(registry.host, tmp_path, mirror, host_lines)
     assert mirror.blob_reads() == 0 and mirror.handshake_failures >= 1
     assert m["errors"] == 1 and m["bytes"] == 0
     assert (s["requests"], s["bytes"]) == (1, 300_000)
-
-
-def test_skip_verify_reaches_an_untrusted_mirror(registry, tmp_path, mirror_of) -> None:
-    mirror = mirror_of()
-    m, s = _read_through(registry.host, tmp_path, mirror, "  skip_verify = true\n")
-    assert mirror.blob_reads() == 1 and mirror.handshake_failures == 0
-    assert (m["bytes"], m["errors"], s["requests"]) == (300_000, 0, 0)
-
-
-def test_client_certificate_where_the_mirror_asks_for_one(
-    registry, pki, tmp_path, mirror_of
-) -> None:
-    mirror = mirror_of(require_client=True)
-    lines = f'  ca = "{pki.ca}"\n  client = [["{pki.client_cert}", "{pki.client_key}"]]\n'
-    m, s = _read_through(registry.host, tmp_path, mirror, lines)
-    assert mirror.blob_reads() == 1 and mirror.handshake_failures == 0
-    assert (m["bytes"], m["errors"], s["requests"]) == (300_000, 0, 0)
-
-
-def test_mirror_refuses_a_node_without_its_client_certificate(
-    registry, pki, tmp_path, mirror_of
-) -> None:
-    mirror = mirror_of(require_client=True)
-    m, s = _read_through(registry.host, tmp_path, mirror, f'  ca = "{pki.ca}"\n')
-    assert mirror.blob_reads() == 0 and mirror.handshake_failures >= 1
-    assert m["errors"] == 1 and (s["requests"], s["bytes"]) == (1, 300_000)
