@@ -189,21 +189,18 @@ class BlockReader:
         for n in numbers:
             start, size = index.sector_span(n)
             spans[n] = (start, max(offset, start) - start, min(end, start + size) - start)
-        parts: dict[int, memoryview] = {}
         with self._lock:
             for n in numbers:
                 if n not in self._touched:
                     self._touched[n] = None
                     self.metrics.touched_stored_bytes.inc(index.sectors[n].length)
-                if (view := self._from_memory(n, spans[n])) is not None:
-                    parts[n] = view
+        parts: dict[int, memoryview] = {}
         wanted = []
         room = scratch
         for n in numbers:
-            if n in parts:
-                continue
-            # Read-ahead may have delivered it while an earlier sector of this read came from
-            # the disk (a fetched sector reaches memory before the cache): no disk read then.
+            # Memory is looked at just before the disk, sector by sector: read-ahead may
+            # deliver a sector while an earlier one of this read comes from the disk (a
+            # fetched sector reaches memory before the cache).
             with self._lock:
                 if (view := self._from_memory(n, spans[n])) is not None:
                     parts[n] = view
