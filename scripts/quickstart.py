@@ -64,6 +64,7 @@ from ocibuild import push_to_registry  # noqa: E402
 from support import Registry  # noqa: E402
 
 from benchmarks.coldstart.node import mounts_under  # noqa: E402
+from snapshotter.config import PrefetchConfig  # noqa: E402
 
 REPO = "quickstart/app"
 FULL_TAG = "v1"
@@ -310,9 +311,11 @@ def quickstart(args: argparse.Namespace, work: Path, cleanup: contextlib.ExitSta
     print(f"  {'read from the registry':28}{human(lazy_read):>14}"
           f"{human(full.registry_bytes):>14}")  # fmt: skip
     if mounts.streamed:
+        rule = PrefetchConfig()  # the daemon runs with the defaults
         print("  (lazyblock streamed the rest of the image in the background, behind the "
-              "start: its files of 64 MiB\n   or more hold half of it or more, as model "
-              "weights do; prefetch.stream_large_share)")  # fmt: skip
+              f"start: its files of {rule.large_file_bytes >> 20} MiB\n   or more hold "
+              f"{rule.stream_large_share:.0%} of it or more, as model weights do; "
+              "prefetch.stream_large_share)")  # fmt: skip
     print(f"  image: {len(manifest['layers'])} layers, {human(compressed)} compressed, "
           f"{human(summary['image_size'])} unpacked (EROFS); block image "
           f"{human(sum(b['size'] for b in summary['blobs']))} in "
