@@ -4,6 +4,8 @@ parts they measure (a mount server, a registry, a front, nginx)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -21,3 +23,79 @@ def machine_cpu_seconds() -> tuple[float, float]:
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     total = sum(ticks[:8])  # guest time is already counted in user
     return (total - ticks[3] - ticks[4]) / _TICK, total / _TICK
+
+
+@dataclass(frozen=True)
+class ProcessCpu:
+    """One process in a ``Snapshot``."""
+
+    comm: str
+    ppid: int
+    seconds: float  # its own user + system CPU (all its threads)
+    children: float  # that of its children it has waited for
+    started: int = 0  # clock ticks after boot: tells a process from a later one of its pid
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The CPU time of the machine and of every process at one moment."""
+
+    busy: float  # machine CPU-seconds since boot, not idle (steal included)
+    idle: float  # idle and iowait
+    steal: float  # taken by the hypervisor
+    processes: dict[int, ProcessCpu]
+
+
+def snapshot() -> Snapshot:
+    """Read ``/proc/stat`` and every ``/proc/<pid>/stat`` (a few ms for a hundred
+    processes; one that ends meanwhile is left out)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(ticks[:8])
+    idle = ticks[3] + ticks[4]
+    processes = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        head, _, rest = text.rpartition(")")
+        f = rest.split()
+        processes[int(entry.name)] = ProcessCpu(
+            comm=head.partition("(")[2],
+            ppid=int(f[1]),
+            seconds=(int(f[11]) + int(f[12])) / _TICK,
+            children=(int(f[13]) + int(f[14])) / _TICK,
+            started=int(f[19]),
+        )
+    return Snapshot((total - idle) / _TICK, idle / _TICK, ticks[7] / _TICK, processes)
+
+
+def cpu_between(
+    before: Snapshot, after: Snapshot, classify: Callable[[int, Snapshot], str]
+) -> dict[str, float]:
+    """CPU-seconds spent from ``before`` to ``after``: the machine's (``busy``, ``idle``,
+    ``steal``: busy time the hypervisor gave to others) and, by the name
+    ``classify(pid, after)`` gives each process alive at ``after``, what those processes
+    used (with the children they reaped); ``unaccounted`` is the machine's busy time, steal
+    aside, that no living process holds (processes that ended unreaped, interrupts). A
+    process that started after ``before`` counts from zero."""
+    out: dict[str, float] = {
+        "busy": after.busy - before.busy,
+        "idle": after.idle - before.idle,
+        "steal": after.steal - before.steal,
+    }
+    named = 0.0
+    for pid, p in after.processes.items():
+        q = before.processes.get(pid)
+        if q is not None and q.started != p.started:
+            q = None  # another process with the same number (a kernel worker's name changes)
+        used = p.seconds + p.children - ((q.seconds + q.children) if q else 0.0)
+        if used <= 0:
+            continue
+        name = classify(pid, after)
+        out[name] = out.get(name, 0.0) + used
+        named += used
+    out["unaccounted"] = max(0.0, out["busy"] - out["steal"] - named)
+    return {k: round(v, 3) for k, v in out.items()}

@@ -80,6 +80,7 @@ REPO = HERE.parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import proccpu  # noqa: E402
 from benchmarks.coldstart import image as images  # noqa: E402
 from benchmarks.coldstart import netns  # noqa: E402
 from benchmarks.coldstart.node import (  # noqa: E402
@@ -130,6 +131,37 @@ class BenchConfig:
 
 
 # --- pure parts --------------------------------------------------------------------------------
+
+
+def start_role(pid: int, snap: proccpu.Snapshot) -> str:
+    """What process ``pid`` of ``snap`` is to a start: ``workload`` (the container's
+    processes: under a containerd shim), ``mount_server`` (lazyblock's, for the image),
+    ``lazyblock`` (its daemon, fork server, holders), ``registry``, ``containerd`` (with the
+    shims, runc and ctr), ``kernel`` (its threads: softirqs, block I/O, the page cache) or
+    ``other`` (this benchmark among them)."""
+    p = snap.processes[pid]
+    if pid == 2 or p.ppid == 2:
+        return "kernel"
+    if p.comm == "docker-registry":
+        return "registry"
+    ancestor, hops = snap.processes.get(p.ppid), 0
+    while ancestor is not None and hops < 32:
+        if ancestor.comm.startswith("containerd-shim"):
+            return "workload"
+        ancestor, hops = snap.processes.get(ancestor.ppid), hops + 1
+    if p.comm.startswith("containerd") or p.comm in ("runc", "ctr"):
+        return "containerd"
+    if p.comm == "lazyblock-mount":
+        return "mount_server"
+    if p.comm.startswith("lazyblock"):
+        return "lazyblock"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "other"
+    if b"snapshotter.mount.server" in cmdline:
+        return "mount_server"
+    return "lazyblock" if b"snapshotter" in cmdline else "other"
 
 
 def parse_ready(line: str) -> dict[str, str] | None:
@@ -232,7 +264,57 @@ def summarize_runs(runs: list[dict[str, Any]], image_bytes: int) -> dict[str, An
         "wire_bytes": _median_int([r["wire_bytes"] for r in runs]),
         "workload_read_bytes": _median_int([r.get("read_bytes") for r in runs]),
         "image_bytes": image_bytes,
+        **({"cpu_s": cpu} if (cpu := median_cpu(runs)) else {}),
     }
+
+
+# The columns of the report's CPU table, in order: the machine's, then by process.
+CPU_COLUMNS = (
+    ("busy", "busy"),
+    ("idle", "idle"),
+    ("steal", "stolen by the host"),
+    ("workload", "workload"),
+    ("mount_server", "mount server"),
+    ("registry", "registry"),
+    ("kernel", "kernel threads"),
+    ("containerd", "containerd"),
+    ("lazyblock", "lazyblock daemon"),
+    ("other", "other"),
+    ("unaccounted", "unaccounted"),
+)
+
+
+def median_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per key of the runs' ``cpu_s``, the median over the runs that measured it (a process
+    kind a run did not see counts 0 in it)."""
+    measured = [r["cpu_s"] for r in runs if r.get("cpu_s")]
+    keys = {k for c in measured for k in c}
+    return {k: round(statistics.median(c.get(k, 0.0) for c in measured), 3) for k in sorted(keys)}
+
+
+def cpu_table(scenarios: dict[str, Any], cpus: int) -> list[str]:
+    """The report's table of CPU-seconds spent during each scenario's start (medians), and
+    the share of the machine that stayed idle: near 0, the start was bound by CPU, not by
+    the link; the processes' columns say whose."""
+    rows = [
+        (name, s["cpu_s"], s["time_to_ready_s"]["median"])
+        for name, s in scenarios.items()
+        if s.get("status") == "ok" and s.get("cpu_s")
+    ]
+    if not rows:
+        return []
+    head = " | ".join(title for _, title in CPU_COLUMNS)
+    lines = [
+        f"CPU-seconds from the first action to ready (medians; {cpus} CPUs):",
+        "",
+        f"| scenario | {head} | idle share |",
+        "|---|" + "---:|" * (len(CPU_COLUMNS) + 1),
+    ]
+    for name, cpu, seconds in rows:
+        cells = " | ".join(f"{cpu.get(k, 0.0):.2f}" for k, _ in CPU_COLUMNS)
+        share = cpu.get("idle", 0.0) / (cpus * seconds) if seconds > 0 else 0.0
+        lines.append(f"| {name} | {cells} | {share:.0%} |")
+    return lines + [""]
 
 
 def evaluate_targets(scenarios: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -294,8 +376,8 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f} MB"
 
 
-ENTRY_KEYS = ("generated", "image", "runs", "via", "block_format", "settings", "caches_dropped",
-              "presets")  # fmt: skip
+ENTRY_KEYS = ("generated", "host", "image", "runs", "via", "block_format", "settings",
+              "caches_dropped", "presets")  # fmt: skip
 
 
 def image_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -415,6 +497,9 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
                 f"| {ratio} | {stalled} |"
             )
         lines.append("")
+        lines += cpu_table(
+            pr["scenarios"], results.get("host", {}).get("cpus") or os.cpu_count() or 1
+        )
         if floor:
             rate = floor["rate_bytes_per_s"]
             lines += [
@@ -524,6 +609,7 @@ class Ready:
     exit_code: int  # of the run command, which is waited for after READY (not timed)
     output: str
     marks: dict[str, float] = field(default_factory=dict)  # name -> perf_counter on the way
+    cpu: proccpu.Snapshot | None = None  # the machine's CPU time when ready
 
 
 def run_until_ready(cmd: list[str], timeout: float) -> Ready:
@@ -535,13 +621,15 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
+    lines: queue.Queue[tuple[float, str | None, proccpu.Snapshot | None]] = queue.Queue()
 
     def reader() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.put((time.perf_counter(), line))
-        lines.put((time.perf_counter(), None))
+            at = time.perf_counter()
+            # the CPU time as the line comes, while the workload still runs
+            lines.put((at, line, proccpu.snapshot() if parse_ready(line) is not None else None))
+        lines.put((time.perf_counter(), None, None))
 
     reading = threading.Thread(target=reader, daemon=True)
     reading.start()
@@ -550,7 +638,7 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
     try:
         while True:
             try:
-                at, line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                at, line, cpu = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 tail = "".join(output)[-2000:]
                 raise BenchError(f"no READY within {timeout:.0f}s: {tail}") from None
@@ -575,7 +663,7 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return Ready(at, fields, proc.returncode, "".join(output))
+    return Ready(at, fields, proc.returncode, "".join(output), cpu=cpu)
 
 
 def run_until_served(
@@ -618,6 +706,7 @@ def run_until_served(
             if state != "refused":
                 marks.setdefault("front", at)
             if state == "answered":
+                cpu = proccpu.snapshot()
                 break
             if time.monotonic() > deadline:
                 raise BenchError(f"no completion answered within {timeout:.0f}s: "
@@ -643,7 +732,7 @@ def run_until_served(
     if code:
         log.warning("%s exited with %d after the answer: %s", " ".join(cmd[:6]), code,
                     "".join(output)[-1000:].strip())  # fmt: skip
-    return Ready(at, fields, code, "".join(output), marks)
+    return Ready(at, fields, code, "".join(output), marks, cpu)
 
 
 def _tail(output: list[str], log_path: Path | None, n: int = 2000) -> str:
@@ -910,6 +999,7 @@ class Bench:
         if self.cfg.drop_caches:
             drop_caches()
         mark = self.remote.traffic_mark()
+        cpu0 = proccpu.snapshot()
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         extra: dict[str, Any] = {}
@@ -943,6 +1033,8 @@ class Bench:
             "workload": {k: v for k, v in fields.items() if k.endswith("_s") or k in WORKLOAD_KEYS},
             **extra,
         }
+        if ready.cpu is not None:
+            run["cpu_s"] = proccpu.cpu_between(cpu0, ready.cpu, start_role)
         if ready.exit_code != 0:
             run["exit_code_after_ready"] = ready.exit_code
         log.info("%s: ready in %.2fs, %s from the registry, workload read %s", scenario,

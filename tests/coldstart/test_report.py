@@ -9,6 +9,7 @@ import json
 import pytest
 import support
 
+from benchmarks import proccpu
 from benchmarks.coldstart import image, run
 
 
@@ -129,6 +130,62 @@ def test_the_table_shows_the_floor_and_the_stalls():
     assert "| lazy | 4.00 s | 4.00 s | 4.00 s | 100.0 MB | - | 1.33 | 0.50 / 1.25 s |" in md
     assert "Floor 3.00 s = max(local 1.00 s, 100.0 MB needed ÷ 400 Mbit/s = 2.00 s) + 1 s" in md
     assert "| lazy <= 1.5 x floor | yes | 4.00 s / 3.00 s = 1.33 |" in md
+
+
+def _snapshot(busy: float, idle: float, processes: dict) -> proccpu.Snapshot:
+    """pid -> (comm, ppid, CPU-seconds[, start time; default the pid])."""
+    table = {}
+    for pid, (comm, ppid, seconds, *started) in processes.items():
+        table[pid] = proccpu.ProcessCpu(comm, ppid, seconds, 0.0, (started or [pid])[0])
+    return proccpu.Snapshot(busy, idle, 0.0, table)
+
+
+def test_the_cpu_of_a_start_is_split_by_role():
+    before = _snapshot(100.0, 50.0, {
+        2: ("kthreadd", 0, 0.0),
+        10: ("kworker/0:1-events", 2, 1.0),
+        20: ("containerd", 1, 5.0),
+        30: ("containerd-shim", 1, 0.5),
+        40: ("docker-registry", 1, 2.0),
+        50: ("lazyblock-fork", 1, 0.2),
+    })  # fmt: skip
+    after = _snapshot(110.0, 52.0, {
+        2: ("kthreadd", 0, 0.0),
+        10: ("kworker/0:1-loop0", 2, 1.5),  # a kernel worker's name follows its work
+        20: ("containerd", 1, 5.25),
+        30: ("containerd-shim", 1, 0.75),
+        31: ("python3", 30, 0.0),  # the container's init, its work done by its child
+        32: ("python3", 31, 4.0),
+        40: ("docker-registry", 1, 3.0),
+        50: ("lazyblock-fork", 1, 0.2),
+        51: ("lazyblock-mount", 50, 2.0),
+    })  # fmt: skip
+    cpu = proccpu.cpu_between(before, after, run.start_role)
+    assert cpu == {
+        "busy": 10.0, "idle": 2.0, "steal": 0.0, "kernel": 0.5, "containerd": 0.5,
+        "workload": 4.0, "registry": 1.0, "mount_server": 2.0, "unaccounted": 2.0,
+    }  # fmt: skip
+    # a number taken by another process since counts that process from zero
+    reused = _snapshot(111.0, 52.0, {40: ("sleep", 1, 0.5, 9999)})
+    assert proccpu.cpu_between(after, reused, run.start_role)["other"] == 0.5
+
+
+def test_the_report_shows_the_cpu_of_each_start():
+    res = _results()
+    pr = res["presets"]["1g-1ms"]
+    res["host"] = {"cpus": 2}
+    runs = [
+        {"seconds": s, "registry_bytes": 1, "wire_bytes": 1, "read_bytes": None, "phases_s": {},
+         "cpu_s": {"busy": busy, "idle": 4.0 - busy, "workload": w, "mount_server": m}}
+        for s, busy, w, m in ((2.0, 3.0, 2.0, 0.5), (2.0, 3.5, 2.5, 1.0), (2.0, 4.0, 3.0, 0.25))
+    ]  # fmt: skip
+    pr["scenarios"]["lazy"] = run.summarize_runs(runs, image_bytes=1000)
+    assert pr["scenarios"]["lazy"]["cpu_s"] == {
+        "busy": 3.5, "idle": 0.5, "mount_server": 0.5, "workload": 2.5,
+    }  # fmt: skip
+    md = run.markdown_table(res)
+    assert "| lazy | 3.50 | 0.50 | 0.00 | 2.50 | 0.50 | 0.00 |" in md
+    assert md.split("| lazy | 3.50 |")[1].splitlines()[0].endswith("| 12% |")
 
 
 def test_write_results(tmp_path):

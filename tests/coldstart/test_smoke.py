@@ -76,9 +76,18 @@ def test_smoke(tmp_path):
         # The node cache is warm: at most the index and metadata come again.
         assert scen["lazy-warm"]["registry_bytes"] < scen["lazy"]["registry_bytes"]
 
+    # The CPU of each start: the machine's busy and idle time add up to the start's span.
+    for name, s in scen.items():
+        if s["status"] == "ok":
+            only = s["runs"][0]
+            cpu = only["cpu_s"]
+            span = (cpu["busy"] + cpu["idle"]) / results["host"]["cpus"]
+            assert abs(span - only["seconds"]) < 0.1 * only["seconds"] + 0.1, (name, only)
+
     on_disk = json.loads((cfg.out / "latest.json").read_text())
     assert set(on_disk["presets"]["none"]["scenarios"]) == set(run.SCENARIOS)
     table = (cfg.out / "latest.md").read_text()
     assert "| full-pull |" in table and "| local |" in table
+    assert "CPU-seconds from the first action to ready" in table
     assert (cfg.out / "latest.png").stat().st_size > 0
     assert not netns._ns_pids(TEST_NET.namespace)  # torn down
