@@ -175,7 +175,8 @@ class PrefetchConfig:
 
     stream_fraction: float = 0.25
     """``AUTO``: stream the whole image once the start has read this fraction of its stored
-    bytes (or its profile names that much); see ``snapshotter.datapath.prefetch``."""
+    bytes; a profile that names that much is trusted instead, and the rest waits until the
+    start reads outside it; see ``snapshotter.datapath.prefetch``."""
 
     stream_watch: float = 600.0
     """``AUTO``: seconds after the mount during which that share is watched for."""
@@ -232,7 +233,8 @@ class MountConfig:
     True always, False never, None (``auto``): once the start has read
     ``prefetch_stream_fraction`` of the image's stored bytes (an image read mostly whole), or
     from the mount when ``prefetch_stream_large_share`` is set and files of
-    ``prefetch_large_file_bytes`` or more hold that share; see
+    ``prefetch_large_file_bytes`` or more hold that share; with a profile that names
+    ``prefetch_stream_fraction`` itself, once the start reads outside it; see
     ``snapshotter.datapath.prefetch``."""
     prefetch_stream_fraction: float = 0.25
     prefetch_stream_large_share: float = 0.5

@@ -166,17 +166,43 @@ def test_auto_streams_the_image_once_the_start_has_read_its_share(
     assert fetcher.missing(range(index.sector_count)) == []
 
 
-def test_auto_streams_after_a_profile_that_names_the_share(
+def test_auto_trusts_a_profile_that_names_the_share_until_the_start_reads_outside_it(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
+    """A profile naming ``stream_fraction`` of the image is the start's reads: it is fetched
+    first and the rest waits (even where large files would have the image streamed from the
+    mount); a start that reads outside it (a stale profile) has the rest streamed."""
     fetcher = make_fetcher()
     index = image.index
     total = sum(s.length for s in index.sectors)
-    profiled = sum(index.sectors[n].length for n in set(index.prefetch))
-    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=profiled / total)
+    profile = set(index.prefetch)
+    profiled = sum(index.sectors[n].length for n in profile)
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=profiled / total,
+                         stream_large_share=0.01, large_file_bytes=SECTOR,
+                         stream_large_files=False, stream_watch=30)  # fmt: skip
     p = Prefetcher.for_mount(fetcher, cfg).start()
-    assert p.wait(10) and p.streaming  # nothing was read: the profile says the start will
-    assert fetcher.metrics.touched_stored_bytes.value == 0
+    wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
+    time.sleep(0.5)  # five of the prefetcher's looks
+    assert p.running and not p.streaming
+    outside = [n for n in stored(image) if n not in profile and n >= index.metadata_sectors]
+    assert len(fetcher.missing(outside)) == len(outside)  # nothing but the profile came
+    # Reads within the profile are what it said: still no more.
+    reader = BlockReader(index, fetcher, readahead_bytes=0)
+    for n in sorted(profile):
+        start, size = index.sector_span(n)
+        reader.read(start, size)
+    time.sleep(0.3)
+    assert p.running and not p.streaming
+    # The start leaves the profile: once it has read 5 % of the profile's bytes outside it,
+    # the rest follows.
+    read = 0
+    for n in outside:
+        start, size = index.sector_span(n)
+        reader.read(start, size)
+        read += index.sectors[n].length
+        if read >= 0.05 * profiled:
+            break
+    assert p.wait(10) and p.streaming
     assert fetcher.missing(range(index.sector_count)) == []
 
 
