@@ -428,7 +428,7 @@ def _run_text(entry: dict[str, Any]) -> str:
     """How a run came about, in words: when, how many rounds, the node path."""
     parts = [f"{entry['generated']}"] if entry.get("generated") else []
     if "runs" in entry:
-        parts.append(f"{entry['runs']} runs per scenario")
+        parts.append(f"{entry['runs']} run{'s' if entry['runs'] != 1 else ''} per scenario")
     if entry.get("via"):
         parts.append(f"`--via {entry['via']}`")
     if entry.get("settings"):
@@ -446,7 +446,7 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
         f"({img['layers']} layers), {_mb(img['rootfs_bytes'])} unpacked, "
         + f"{'model' if served else 'weights'} {_mb(img['weights_bytes'])}. "
         + (READY_SERVED + " " if served else "")
-        + f"{results['runs']} runs per scenario"
+        + f"{results['runs']} run{'s' if results['runs'] != 1 else ''} per scenario"
         + (" (interleaved)" if results["runs"] > 1 else "")
         + ", "
         + (
