@@ -78,9 +78,9 @@ def cpu_between(
     """CPU-seconds spent from ``before`` to ``after``: the machine's (``busy``, ``idle``,
     ``steal``: busy time the hypervisor gave to others) and, by the name
     ``classify(pid, after)`` gives each process alive at ``after``, what those processes
-    used (with the children they reaped); ``unaccounted`` is the machine's busy time, steal
-    aside, that no living process holds (processes that ended unreaped, interrupts). A
-    process that started after ``before`` counts from zero."""
+    used (a process that started after ``before`` from zero, with the children it reaped);
+    ``unaccounted`` is the machine's busy time, steal aside, that no living process holds
+    (processes that ended, unless a new process reaped them; interrupts)."""
     out: dict[str, float] = {
         "busy": after.busy - before.busy,
         "idle": after.idle - before.idle,
@@ -91,7 +91,9 @@ def cpu_between(
         q = before.processes.get(pid)
         if q is not None and q.started != p.started:
             q = None  # another process with the same number (a kernel worker's name changes)
-        used = p.seconds + p.children - ((q.seconds + q.children) if q else 0.0)
+        # Children reaped by a process that was there before may have run before: left out
+        # (then they are ``unaccounted``); a new process's children all ran since.
+        used = p.seconds - q.seconds if q is not None else p.seconds + p.children
         if used <= 0:
             continue
         name = classify(pid, after)

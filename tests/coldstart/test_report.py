@@ -3,6 +3,7 @@ No root; the chart needs matplotlib (a benchmark dependency CI installs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -168,6 +169,16 @@ def test_the_cpu_of_a_start_is_split_by_role():
     # a number taken by another process since counts that process from zero
     reused = _snapshot(111.0, 52.0, {40: ("sleep", 1, 0.5, 9999)})
     assert proccpu.cpu_between(after, reused, run.start_role)["other"] == 0.5
+    # a process that was there before reaps a child: the child may have run before, so it
+    # is not counted; a new process's reaped children are
+    later = proccpu.Snapshot(112.0, 52.0, 0.0, {
+        **after.processes,
+        20: dataclasses.replace(after.processes[20], seconds=5.5, children=3.0),
+        32: dataclasses.replace(after.processes[32], seconds=4.5, children=1.0),
+    })  # fmt: skip
+    cpu = proccpu.cpu_between(after, later, run.start_role)
+    assert cpu["containerd"] == 0.25 and cpu["workload"] == 0.5
+    assert proccpu.cpu_between(before, later, run.start_role)["workload"] == 5.5
 
 
 def test_the_report_shows_the_cpu_of_each_start():
