@@ -11,18 +11,31 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _process_stat(pid: int | str) -> tuple[str, list[str]]:
+    """``/proc/<pid>/stat``: the command name, and the fields after it (``state`` first).
+    Raises ``OSError`` once the process is gone."""
+    head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    return head.partition("(")[2], rest.split()
+
+
+def _machine_ticks() -> tuple[int, int, int]:
+    """The machine's clock ticks since boot: all (guest time is already counted in user),
+    idle (idle and iowait), stolen by the hypervisor."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(ticks[:8]), ticks[3] + ticks[4], ticks[7]
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds process ``pid`` has used, all its threads (not its
     children). Raises ``OSError`` (``FileNotFoundError``) once it is gone."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    fields = _process_stat(pid)[1]
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
     """(busy, all) CPU seconds of the whole machine since boot (idle and iowait not busy)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    total = sum(ticks[:8])  # guest time is already counted in user
-    return (total - ticks[3] - ticks[4]) / _TICK, total / _TICK
+    total, idle, _ = _machine_ticks()
+    return (total - idle) / _TICK, total / _TICK
 
 
 @dataclass(frozen=True)
@@ -33,7 +46,7 @@ class ProcessCpu:
     ppid: int
     seconds: float  # its own user + system CPU (all its threads)
     children: float  # that of its children it has waited for
-    started: int = 0  # clock ticks after boot: tells a process from a later one of its pid
+    started: int  # clock ticks after boot: tells a process from a later one of its pid
 
 
 @dataclass(frozen=True)
@@ -49,27 +62,23 @@ class Snapshot:
 def snapshot() -> Snapshot:
     """Read ``/proc/stat`` and every ``/proc/<pid>/stat`` (a few ms for a hundred
     processes; one that ends meanwhile is left out)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    total = sum(ticks[:8])
-    idle = ticks[3] + ticks[4]
+    total, idle, steal = _machine_ticks()
     processes = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            text = Path(entry.path, "stat").read_text()
+            comm, f = _process_stat(entry.name)
         except OSError:
             continue
-        head, _, rest = text.rpartition(")")
-        f = rest.split()
         processes[int(entry.name)] = ProcessCpu(
-            comm=head.partition("(")[2],
+            comm=comm,
             ppid=int(f[1]),
             seconds=(int(f[11]) + int(f[12])) / _TICK,
             children=(int(f[13]) + int(f[14])) / _TICK,
             started=int(f[19]),
         )
-    return Snapshot((total - idle) / _TICK, idle / _TICK, ticks[7] / _TICK, processes)
+    return Snapshot((total - idle) / _TICK, idle / _TICK, steal / _TICK, processes)
 
 
 def cpu_between(

@@ -621,15 +621,18 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    lines: queue.Queue[tuple[float, str | None, proccpu.Snapshot | None]] = queue.Queue()
+    # (when, the line, its READY fields, the CPU time as a READY line came)
+    Line = tuple[float, str | None, dict[str, str] | None, proccpu.Snapshot | None]
+    lines: queue.Queue[Line] = queue.Queue()
 
     def reader() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             at = time.perf_counter()
-            # the CPU time as the line comes, while the workload still runs
-            lines.put((at, line, proccpu.snapshot() if parse_ready(line) is not None else None))
-        lines.put((time.perf_counter(), None, None))
+            fields = parse_ready(line)
+            # the CPU time while the workload that printed READY still runs
+            lines.put((at, line, fields, proccpu.snapshot() if fields is not None else None))
+        lines.put((time.perf_counter(), None, None, None))
 
     reading = threading.Thread(target=reader, daemon=True)
     reading.start()
@@ -638,7 +641,7 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
     try:
         while True:
             try:
-                at, line, cpu = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                at, line, fields, cpu = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 tail = "".join(output)[-2000:]
                 raise BenchError(f"no READY within {timeout:.0f}s: {tail}") from None
@@ -647,7 +650,6 @@ def run_until_ready(cmd: list[str], timeout: float) -> Ready:
                 raise BenchError(f"exited ({proc.returncode}) before READY: "
                                  f"{''.join(output)[-2000:]}")  # fmt: skip
             output.append(line)
-            fields = parse_ready(line)
             if fields is not None:
                 break
         proc.wait(120)
