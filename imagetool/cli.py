@@ -86,7 +86,8 @@ def cli(ctx: click.Context, verbose: int, plain_http: bool, timeout: float) -> N
     "image and publishes an index of them as DEST.",
 )
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Paths in first-access order; their data is laid out first.")  # fmt: skip
+              help="Startup profile (snapshotter profile): files in first-access order, laid "
+              "out first; what the start read of them is prefetched first.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 256), help="Compression threads.")
 @click.option(
     "--format-version",
@@ -129,7 +130,8 @@ def convert(
     SOURCE: oci:PATH[:TAG] | docker-archive:PATH | docker://HOST/REPO[:TAG]
     DEST:   STORE/NAME[:TAG], STORE = /dir | file:///dir | s3://bucket/prefix | docker://host
     """
-    from imagetool.convert import ConvertOptions, convert_platforms, read_profile
+    from imagetool import profile as profiles
+    from imagetool.convert import ConvertOptions, convert_platforms
     from imagetool.convert import convert as do_convert
     from imagetool.platforms import is_platform_list
 
@@ -139,7 +141,7 @@ def convert(
         sector_size=sector_size,
         level=level,
         platform=None if is_platform_list(platform) else platform,
-        profile=read_profile(profile) if profile else (),
+        profile=profiles.read(profile) if profile else profiles.Profile(),
         workers=workers,
         format_version=int(format_version),
         tmpdir=tmpdir,

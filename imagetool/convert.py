@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from imagetool.erofs.writer import plan_erofs, plan_erofs_regions
-from imagetool.errors import FormatError, NotFoundError, ProfileError
+from imagetool.errors import FormatError, NotFoundError
 from imagetool.format import (
     BLOB_MEDIA_TYPE,
     DEFAULT_RAW_SAVING,
@@ -43,6 +43,7 @@ from imagetool.format import (
 )
 from imagetool.pack import iter_sectors, pack
 from imagetool.platforms import Platform, parse_platform_list, select_platform
+from imagetool.profile import Profile
 from imagetool.readahead import ReadAhead
 from imagetool.sources import ANY_PLATFORM, SourceImage, open_source
 from imagetool.stores import ImageRef, open_store, parse_ref
@@ -63,7 +64,9 @@ class ConvertOptions:
     sector_size: int = DEFAULT_SECTOR_SIZE
     level: int = DEFAULT_ZSTD_LEVEL  # zstd level; 3 compresses at hundreds of MB/s per core
     platform: str | None = None
-    profile: tuple[str, ...] = ()  # paths in first-access order; their data goes first
+    # files in first-access order: their data goes first, and the sectors of what the start
+    # read of them are the prefetch order
+    profile: Profile = Profile()
     workers: int | None = None  # compression threads; default: one per CPU
     format_version: int = FORMAT_VERSION
     # A sector whose zstd form saves less than this share of its size is stored raw (format
@@ -82,30 +85,6 @@ class ConvertResult:
 Progress = Callable[[str, int, int | None], None]  # (stage, bytes done delta, total)
 # An image index's entries for what is not an image to run (buildx's attestation manifests).
 UNKNOWN = "unknown"
-
-
-PROFILE_MAX_LINE = 4096  # PATH_MAX: no path in an image is longer
-
-
-def read_profile(path: Path) -> tuple[str, ...]:
-    """A profile file: one absolute path per line; blank lines and ``#`` comments ignored.
-    ``ProfileError`` for a file that is not such a list (unreadable, not UTF-8 text, a
-    line that cannot be a path): better refused at conversion than laid out wrong."""
-    try:
-        text = path.read_bytes().decode()
-    except OSError as e:
-        raise ProfileError(f"cannot read profile {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"profile {path} is not a UTF-8 text file (one path per line)") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "\0" in line or len(line) > PROFILE_MAX_LINE:
-            raise ProfileError(f"profile {path}, line {n}: not a path: {line[:60]!r}")
-        out.append("/" + line.lstrip("/"))
-    return tuple(out)
 
 
 def build_tree(source: SourceImage, sink: ContentSink, progress: Progress | None = None) -> Tree:
@@ -237,10 +216,10 @@ def _convert_image(
             tree = build_tree(source, sink, progress)
             spool.flush()
             if options.format_version == 1:
-                plan = plan_erofs(tree, order=options.profile)
+                plan = plan_erofs(tree, order=options.profile.paths)
             else:
                 plan = plan_erofs_regions(
-                    tree, sink.layers, options.sector_size, order=options.profile
+                    tree, sink.layers, options.sector_size, order=options.profile.paths
                 )
             del tree, sink
             total = plan.size
@@ -283,27 +262,31 @@ def _convert_image(
 def _prefetch_order(
     files: Sequence[FileExtent], options: ConvertOptions, metadata_sectors: int, count: int
 ) -> tuple[int, ...]:
-    """Sectors of the profile's files, in first-access order (metadata is fetched at mount)."""
-    if not options.profile:
+    """Sectors of what the start read of the profile's files (whole files, or the ranges
+    the profile gives), in first-access order (metadata is fetched at mount)."""
+    profile = options.profile
+    if not profile:
         return ()
     by_path = {f.path: f for f in files}
-    absent = [p for p in options.profile if p not in by_path]
+    absent = [p for p in profile.paths if p not in by_path]
     if absent:  # a profile of another image, or of an older version of this one
-        log.warning("profile: %d of its %d paths are not files with data in this image "
-                    "(first: %s); they are ignored", len(absent), len(options.profile),
-                    absent[0])  # fmt: skip
+        log.warning(
+            "profile: %d of its %d paths are not files with data in this image (first: %s); "
+            "they are ignored", len(absent), len(profile), absent[0],
+        )  # fmt: skip
     order: list[int] = []
     seen = set(range(metadata_sectors))
-    for path in options.profile:
-        f = by_path.get(path)
+    for entry in profile.entries:
+        f = by_path.get(entry.path)
         if f is None:
             continue
-        first = f.offset // options.sector_size
-        last = (f.offset + f.length - 1) // options.sector_size
-        for s in range(first, min(last, count - 1) + 1):
-            if s not in seen:
-                seen.add(s)
-                order.append(s)
+        for start, end in entry.spans(f.length):
+            first = (f.offset + start) // options.sector_size
+            last = (f.offset + end - 1) // options.sector_size
+            for s in range(first, min(last, count - 1) + 1):
+                if s not in seen:
+                    seen.add(s)
+                    order.append(s)
     return tuple(order)
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from imagetool.errors import InvalidReferenceError
+from imagetool.profile import Profile, ProfileEntry
 from imagetool.stores.refs import absolute_ref
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
@@ -593,7 +594,15 @@ def stats(mountpoint: Path, config: MountConfig, timeout: float = 10.0) -> dict[
     return control.request(directory / state.CONTROL_SOCKET, "stats", timeout)
 
 
-def profile(mountpoint: Path, config: MountConfig, timeout: float = 30.0) -> list[str]:
-    """Paths of the files read through the mount so far, in first-access order."""
+def profile(mountpoint: Path, config: MountConfig, timeout: float = 30.0) -> Profile:
+    """The files read through the mount so far, in first-access order, with the byte ranges
+    read of those read in part (a server that predates ranges: whole files)."""
     _, directory = _live_record(mountpoint, config)
-    return control.request(directory / state.CONTROL_SOCKET, "profile", timeout)["files"]
+    answer = control.request(directory / state.CONTROL_SOCKET, "profile", timeout)
+    ranges = answer.get("ranges") or {}
+    return Profile(
+        tuple(
+            ProfileEntry(p, tuple((s, e) for s, e in ranges[p]) if p in ranges else None)
+            for p in answer["files"]
+        )
+    )

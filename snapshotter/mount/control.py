@@ -1,7 +1,8 @@
 """The mount server's control socket: a tiny request/answer protocol over a unix socket.
 
 One JSON object per line each way: ``{"op": "stats"}`` -> the mount's statistics,
-``{"op": "profile"}`` -> ``{"files": [paths in first-access order]}``. Answers are
+``{"op": "profile"}`` -> ``{"files": [paths in first-access order], "ranges": {path:
+[[start, end], ...] for a file read in part}}``. Answers are
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``. The socket is
 root-only (mode 0600 inside the state directory).
 """

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from imagetool import profile as profiles
+from imagetool.profile import Profile
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import Counter
@@ -89,13 +91,14 @@ class BlockFile:
 
     def touched_files(self) -> list[str]:
         """Paths of the files read so far, in first-access order."""
+        return list(self.touched_profile().paths)
+
+    def touched_profile(self) -> Profile:
+        """The files read so far, in first-access order, with the ranges of each read
+        (``imagetool.profile.from_reads``)."""
         with self._touched_lock:
             ranges = list(self._ranges)
-        touched: dict[str, None] = {}
-        for offset, length in ranges:
-            for f in self.reader.index.files_in_range(offset, length):
-                touched.setdefault(f.path)
-        return list(touched)
+        return profiles.from_reads(ranges, self.reader.index.files_in_range)
 
 
 def serve_in_thread(

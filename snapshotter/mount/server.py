@@ -558,7 +558,12 @@ class MountServer:
         assert self.reader is not None and self.operations is not None
         if request.get("sectors"):
             return {"sectors": self.reader.touched_sectors()}
-        return {"files": self.operations.touched_files()}
+        profile = self.operations.touched_profile()
+        # "files" alone is what servers before ranges answered: read as whole files
+        return {
+            "files": list(profile.paths),
+            "ranges": {e.path: e.ranges for e in profile.entries if e.ranges is not None},
+        }
 
 
 # Blob sizes asked for at once while mounting (a registry HEAD each).

@@ -112,6 +112,26 @@ def test_small_sectors_and_profile_layout(umoci_image, tmp_path, version):
     check_against_kernel(ref, umoci_image, tmp_path)
 
 
+def test_a_profile_with_ranges_prefetches_only_the_sectors_of_what_was_read(umoci_image, tmp_path):
+    """A file the start read in part (a mapped library) brings only the sectors that hold
+    the bytes read into the prefetch order; a whole file, all of its sectors."""
+    sector = 64 << 10
+    profile = tmp_path / "profile.txt"
+    profile.write_text(f"/app/run.sh\n/data/big.bin\t{2 * sector + 10}-{3 * sector}\n")
+    ref = f"{tmp_path}/store/app:ranges"
+    imagetool("convert", "-q", "--sector-size", "64KiB", "--profile", str(profile),
+              umoci_image.spec, ref)  # fmt: skip
+    index = Index.from_dict(json.loads(imagetool("inspect", "--index", ref).out))
+    extent = {f.path: f for f in index.files}
+    run, big = extent["/app/run.sh"], extent["/data/big.bin"]
+    assert big.length > 6 * sector and big.offset % sector == 0
+    data = [n for n in index.prefetch if n >= index.metadata_sectors]
+    want_run = [n for n in index.sectors_for_range(run.offset, run.length)
+                if n >= index.metadata_sectors]  # fmt: skip
+    assert data == [*want_run, big.offset // sector + 2]
+    imagetool("verify", ref, "--against", umoci_image.spec)
+
+
 @pytest.mark.parametrize("store_kind", ["dir", "s3", "registry"])
 @pytest.mark.parametrize("source_kind", ["oci", "docker-archive", "registry"])
 def test_every_source_into_every_store(
@@ -211,6 +231,7 @@ def test_a_profile_of_another_image_is_ignored_with_one_warning(umoci_image, tmp
         (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not a UTF-8 text file"),
         (b"/app/run.sh\n/etc/\x00passwd\n", "line 2: not a path"),
         (b"/" + b"a" * 5000 + b"\n", "line 1: not a path"),
+        (b"/app/run.sh\n/data/big.bin\t4096-100\n", "line 2: not a byte range"),
     ],
 )
 def test_a_broken_profile_is_refused_before_anything_is_written(

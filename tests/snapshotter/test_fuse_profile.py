@@ -44,3 +44,20 @@ def test_rereading_whole_blocks_adds_nothing_to_the_log(
     assert len(ops._ranges) == 1
     _read(ops, 15 * BLOCK, 2 * BLOCK)  # one new block
     assert len(ops._ranges) == 2 and ops.touched_files() == ["/usr/bin/python3"]
+
+
+def test_profile_gives_the_ranges_read_of_a_file_read_in_part(
+    image: Image, make_fetcher: Callable[..., SectorFetcher]
+) -> None:
+    """A file read in part (a mapped library) keeps the ranges read, within the file; a
+    small file read at all, and a file read to the end, are whole."""
+    ops = BlockFile(BlockReader(image.index, make_fetcher()))
+    weights = 8 * SECTOR  # /app/weights.bin: 10 sectors
+    _read(ops, weights + 4 * SECTOR, 2 * BLOCK)
+    _read(ops, 3 * SECTOR + 150, 10)  # /app/main.py, 200 bytes
+    _read(ops, weights, BLOCK)
+    _read(ops, 0, 3 * SECTOR + 100)  # all of /usr/bin/python3
+    profile = ops.touched_profile()
+    assert profile.paths == ("/app/weights.bin", "/app/main.py", "/usr/bin/python3")
+    assert profile.entries[0].ranges == ((0, BLOCK), (4 * SECTOR, 4 * SECTOR + 2 * BLOCK))
+    assert profile.entries[1].ranges is None and profile.entries[2].ranges is None

@@ -16,6 +16,7 @@ import pytest
 from itool import imagetool, snapshot
 from mounthelp import drop_caches, snapshotter, with_store_options
 
+from imagetool import profile as profiles
 from imagetool.image import open_image
 from snapshotter.cache.sectors import cache_usage
 from snapshotter.mount import api, kernel
@@ -53,8 +54,10 @@ def test_mount_directory_store_matches_the_source_tree(
 
     profile = tmp_path / "profile.txt"
     snapshotter("profile", str(mnt), "-o", str(profile), *_cli_args(config))
-    paths = [p for p in profile.read_text().splitlines() if not p.startswith("#")]
-    assert "/data/big.bin" in paths and "/etc/hostname" in paths
+    recorded = profiles.read(profile)
+    assert "/data/big.bin" in recorded.paths and "/etc/hostname" in recorded.paths
+    # every file was read to its end: whole files, no ranges
+    assert all(e.ranges is None for e in recorded.entries)
 
     snapshotter("umount", str(mnt), *_cli_args(config))
     assert not kernel.is_mountpoint(mnt)
