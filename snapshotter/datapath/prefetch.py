@@ -53,7 +53,10 @@ benchmark's ML image at 1 Gbit/s (6 rounds each, interleaved): 689 MB fetched du
 start instead of 837, and 0.8 CPU-seconds less in the mount server and 0.3 in the registry
 (``benchmarks/coldstart/results/2026-12-07-trusted-profile/``). A small or foreign profile
 is not trusted: the rules above apply as without one. And as
-soon as the start reads a sector of a large file that was not cached (``stream_large_files``;
+soon as the start reads a sector of a large file that was not cached (but a sector a trusted
+profile names: a profile with byte ranges names what the start reads of a large library,
+and streaming the rest of it fetched 49 MB that the benchmark's ML start does not read;
+``stream_large_files``;
 the fetcher tells the prefetcher of every on-demand read), the whole file goes next in the
 plan, from that sector to the file's end, then its beginning: weights and the big shared
 libraries of ML frameworks are read whole or nearly, and on demand they would come one read,
@@ -337,9 +340,11 @@ class Prefetcher:
             self.fetcher.on_demand(self._on_demand)
 
     def _on_demand(self, numbers: list[int]) -> None:
-        """On a reader's thread: note the sectors of large files among ``numbers``."""
-        large = self._large
-        if hit := [n for n in numbers if n in large]:
+        """On a reader's thread: note the sectors of large files among ``numbers``, but
+        those a trusted profile names: the profile says what of that file the start reads
+        (a profile with ranges names part of a large library), and it is being fetched."""
+        large, profile = self._large, self._profile
+        if hit := [n for n in numbers if n in large and n not in profile]:
             self._demanded.extend(hit)
             self._wake.set()
 
@@ -406,11 +411,12 @@ class Prefetcher:
         i = 0
         watch = cfg.mode is PrefetchMode.AUTO
         try:
+            trusted = watch and self._trust_profile()
             if watch and (cfg.stream_large_files or cfg.stream_large_share <= 1):
                 self._large_files = large_files(index, cfg.large_file_bytes)  # once, for both
             if watch and cfg.stream_large_files:
                 self._watch_large_files()
-            if watch and not self._trust_profile() and self._stream_at_mount():
+            if watch and not trusted and self._stream_at_mount():
                 watch = False
             while not self._stop.is_set():
                 if self._demanded:  # a large file read: it goes before the rest of the plan

@@ -206,6 +206,34 @@ def test_auto_trusts_a_profile_that_names_the_share_until_the_start_reads_outsid
     assert fetcher.missing(range(index.sector_count)) == []
 
 
+def test_a_trusted_profile_naming_part_of_a_large_file_does_not_stream_the_rest(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    """The test image's profile names the first 3 of /app/weights.bin's 10 sectors, as a
+    profile with byte ranges names what a start reads of a large library. A start reading
+    those has the profile's word for it: the rest of the file does not follow. A read of
+    the file outside the profile does stream it."""
+    fetcher = make_fetcher()
+    index = image.index
+    total = sum(s.length for s in index.sectors)
+    profiled = sum(index.sectors[n].length for n in set(index.prefetch))
+    weights = range(8, 18)
+    assert set(index.prefetch) < set(weights)
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=profiled / total,
+                         stream_large_share=2, large_file_bytes=SECTOR,
+                         stream_large_files=True, stream_watch=30)  # fmt: skip
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    fetcher.get([9])  # on demand, inside the profile
+    wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
+    time.sleep(0.5)
+    assert p.running and p.files_streamed == 0
+    rest = [n for n in weights if n not in index.prefetch]
+    assert fetcher.missing(rest) == rest
+    fetcher.get([14])  # outside it: the profile did not know this start
+    wait_until(lambda: p.files_streamed == 1 and fetcher.missing(weights) == [])
+    p.stop()
+
+
 def test_auto_fetches_only_what_is_read_when_a_start_reads_little(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
