@@ -294,6 +294,7 @@ class Prefetcher:
         planned = set(self.sectors)
         rest = [n for n in plan(self.fetcher.index, PrefetchMode.FULL) if n not in planned]
         log.info("prefetch: %s; streaming the other %d sectors", why, len(rest))
+        self.fetcher.limit_readahead(None)
         self.streaming = True
         self.sectors += rest
 
@@ -323,6 +324,7 @@ class Prefetcher:
             return False
         self._profile = profile | frozenset(range(index.metadata_sectors))
         self.fetcher.on_demand(self._on_demand_outside)
+        self.fetcher.limit_readahead(self._profile)  # until the start leaves it
         return True
 
     def _on_demand_outside(self, numbers: list[int]) -> None:
@@ -469,4 +471,5 @@ class Prefetcher:
             return
         finally:
             self._large = {}  # the fetcher's later demands are no news to anyone
+            self.fetcher.limit_readahead(None)  # the start is over, or left the profile
             log.debug("prefetch: done, %d sectors fetched, window %d", self.fetched, window.size)

@@ -234,6 +234,29 @@ def test_a_trusted_profile_naming_part_of_a_large_file_does_not_stream_the_rest(
     p.stop()
 
 
+def test_a_trusted_profile_keeps_read_ahead_inside_it_until_the_prefetcher_ends(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    """A sequential reader's read-ahead past what a trusted profile names is a guess the
+    profile contradicts: it is dropped while the start stays inside the profile, and read
+    ahead again once the prefetcher is done with the start."""
+    fetcher = make_fetcher()
+    index = image.index
+    total = sum(s.length for s in index.sectors)
+    profiled = sum(index.sectors[n].length for n in set(index.prefetch))
+    cfg = PrefetchConfig(mode=PrefetchMode.AUTO, stream_fraction=profiled / total,
+                         stream_large_share=2, stream_watch=30)  # fmt: skip
+    p = Prefetcher.for_mount(fetcher, cfg).start()
+    wait_until(lambda: fetcher.missing(plan(index, PrefetchMode.PROFILE)) == [])
+    beyond = [13, 14, 15]  # /app/weights.bin, after the profile's first three sectors
+    assert p.running and fetcher.readahead(beyond) == 0
+    time.sleep(0.2)
+    assert fetcher.missing(beyond) == beyond
+    p.stop()
+    assert fetcher.readahead(beyond) == 3
+    wait_until(lambda: fetcher.missing(beyond) == [])
+
+
 def test_auto_fetches_only_what_is_read_when_a_start_reads_little(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:
