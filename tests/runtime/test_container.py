@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import dockerfile
@@ -111,3 +113,46 @@ def test_entrypoint_is_a_valid_serve_command(instructions, tiny_fp8: Path) -> No
     assert r.exit_code == 0, r.output
     assert "--quantization compressed-tensors" in r.output
     assert "--enforce-eager" not in r.output  # CUDA graphs on the GPU
+
+
+def _copy_into(src: Path, dest: Path, patterns: list[str]) -> None:
+    """COPY's semantics for one source: a file into ``dest`` (a directory when it ends in
+    ``/``), a directory's contents onto ``dest``; what the ignore file excludes stays out."""
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    for f in files:
+        rel = f.relative_to(ROOT).as_posix()
+        if _ignored(rel, patterns):
+            continue
+        target = dest / f.name if src.is_file() else dest / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(f.read_bytes())
+
+
+def test_what_the_image_copies_of_lazyblock_imports_alone(instructions, tmp_path: Path) -> None:
+    """The packages the COPY lines put in /src/lazyblock, and nothing else of this project,
+    run the entrypoint's module: an import of a package the image leaves out fails here, as
+    it would in the image (the shared command edge ``lazyblock.cli`` was once missing)."""
+    pats = _patterns()
+    image = tmp_path / "image"
+    for c in (c for c in instructions if c.cmd == "COPY"):
+        *sources, target = c.value
+        assert target.startswith("/src/lazyblock"), c.original
+        dest = image / target.lstrip("/")
+        for src in sources:
+            _copy_into(ROOT / src, dest if target.endswith("/") or not (ROOT / src).is_file()
+                       else dest.parent, pats)  # fmt: skip
+    src = image / "src" / "lazyblock"
+    # -S: no site-packages processing, so the checkout's editable install is not on the path;
+    # the third-party packages the front needs come from site-packages as plain directories.
+    code = (
+        "import sys, site; sys.path[:0] = [sys.argv[1]]; sys.path += site.getsitepackages(); "
+        "import runtime.cli, runtime.launch, lazyblock.cli; "
+        "assert runtime.cli.__file__.startswith(sys.argv[1]), runtime.cli.__file__; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('lazyblock', 'imagetool', 'snapshotter', 'serving', 'runtime')))"
+    )
+    r = subprocess.run([sys.executable, "-S", "-c", code, str(src)], capture_output=True,
+                       text=True, check=False, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = {m.split(".")[0] for m in eval(r.stdout)}  # noqa: S307 - our own repr
+    assert loaded <= {"lazyblock", "serving", "runtime"}, loaded
