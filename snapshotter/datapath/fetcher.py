@@ -321,7 +321,7 @@ class SectorFetcher:
         """Read ahead only among ``sectors`` (None: anywhere). The prefetcher limits it to a
         trusted profile while the start stays inside it: the profile says what the start
         reads, and a sequential reader's next sectors outside it are a guess that costs the
-        link and the CPU what the start needs (49 MB on the benchmark's ML start, read ahead
+        link and the CPU what the start needs (48 MB on the benchmark's ML start, read ahead
         of the parts of a library the start reads)."""
         self._readahead_within = sectors
 

@@ -55,7 +55,7 @@ start instead of 837, and 0.8 CPU-seconds less in the mount server and 0.3 in th
 is not trusted: the rules above apply as without one. And as
 soon as the start reads a sector of a large file that was not cached (but a sector a trusted
 profile names: a profile with byte ranges names what the start reads of a large library,
-and streaming the rest of it fetched 49 MB that the benchmark's ML start does not read;
+and streaming the rest of it fetched 48 MB that the benchmark's ML start does not read;
 ``stream_large_files``;
 the fetcher tells the prefetcher of every on-demand read), the whole file goes next in the
 plan, from that sector to the file's end, then its beginning: weights and the big shared
