@@ -27,8 +27,12 @@ ROOMS = (
     ("snapshotter.errors", "snapshotter.metrics", "snapshotter.config", "snapshotter.systemd",
      "snapshotter.startup", "snapshotter"),
 )  # fmt: skip
-IMAGETOOL_FOR_SNAPSHOTTER = ("imagetool.format", "imagetool.errors", "imagetool.stores",
-                             "imagetool.registry", "imagetool.platforms")  # fmt: skip
+# What of imagetool the snapshotter may use: the formats both sides read or write (the block
+# format; the startup profile, which the snapshotter writes and convert reads), errors, the
+# stores and the registry client, platforms.
+IMAGETOOL_FOR_SNAPSHOTTER = ("imagetool.format", "imagetool.profile", "imagetool.errors",
+                             "imagetool.stores", "imagetool.registry",
+                             "imagetool.platforms")  # fmt: skip
 
 
 def module_name(path: Path) -> str:
