@@ -424,11 +424,15 @@ READY_SERVED = (
 )
 
 
+def _runs_per_scenario(runs: int) -> str:
+    return f"{runs} run{'s' if runs != 1 else ''} per scenario"
+
+
 def _run_text(entry: dict[str, Any]) -> str:
     """How a run came about, in words: when, how many rounds, the node path."""
     parts = [f"{entry['generated']}"] if entry.get("generated") else []
     if "runs" in entry:
-        parts.append(f"{entry['runs']} run{'s' if entry['runs'] != 1 else ''} per scenario")
+        parts.append(_runs_per_scenario(entry["runs"]))
     if entry.get("via"):
         parts.append(f"`--via {entry['via']}`")
     if entry.get("settings"):
@@ -446,7 +450,7 @@ def _image_section(results: dict[str, Any], name_image: bool) -> str:
         f"({img['layers']} layers), {_mb(img['rootfs_bytes'])} unpacked, "
         + f"{'model' if served else 'weights'} {_mb(img['weights_bytes'])}. "
         + (READY_SERVED + " " if served else "")
-        + f"{results['runs']} run{'s' if results['runs'] != 1 else ''} per scenario"
+        + _runs_per_scenario(results["runs"])
         + (" (interleaved)" if results["runs"] > 1 else "")
         + ", "
         + (
