@@ -89,10 +89,6 @@ class BlockFile:
                 seen[first:last] = b"\x01" * (last - first)
             self._ranges.append((offset, length))
 
-    def touched_files(self) -> list[str]:
-        """Paths of the files read so far, in first-access order."""
-        return list(self.touched_profile().paths)
-
     def touched_profile(self) -> Profile:
         """The files read so far, in first-access order, with the ranges of each read
         (``imagetool.profile.from_reads``)."""

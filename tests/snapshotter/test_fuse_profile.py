@@ -21,12 +21,12 @@ def test_profile_lists_files_in_first_access_order(
     image: Image, make_fetcher: Callable[..., SectorFetcher]
 ) -> None:
     ops = BlockFile(BlockReader(image.index, make_fetcher()))
-    assert ops.touched_files() == []
+    assert list(ops.touched_profile().paths) == []
     assert _read(ops, 30 * SECTOR, BLOCK) == image.data[30 * SECTOR : 30 * SECTOR + BLOCK]
     _read(ops, 3 * SECTOR + 150, 10)  # unaligned, inside /app/main.py only
     _read(ops, 0, 2 * BLOCK)  # /usr/bin/python3
     _read(ops, 9 * SECTOR, BLOCK)  # /app/weights.bin
-    assert ops.touched_files() == [
+    assert list(ops.touched_profile().paths) == [
         "/etc/hosts",
         "/app/main.py",
         "/usr/bin/python3",
@@ -43,7 +43,7 @@ def test_rereading_whole_blocks_adds_nothing_to_the_log(
         _read(ops, 4 * BLOCK, BLOCK)  # inside what was read
     assert len(ops._ranges) == 1
     _read(ops, 15 * BLOCK, 2 * BLOCK)  # one new block
-    assert len(ops._ranges) == 2 and ops.touched_files() == ["/usr/bin/python3"]
+    assert len(ops._ranges) == 2 and list(ops.touched_profile().paths) == ["/usr/bin/python3"]
 
 
 def test_profile_gives_the_ranges_read_of_a_file_read_in_part(
