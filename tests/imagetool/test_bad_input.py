@@ -183,6 +183,16 @@ def test_good_input_after_all(tmp_path):
     assert json.loads(imagetool("inspect", f"{tmp_path}/store/img:t").out)["files"] == 2
 
 
+def _has_staged_bytes(stage: Path) -> bool:
+    """Whether a staging file under ``stage`` holds bytes yet; the conversion renames and
+    removes its files while this looks, so a walk that meets one vanishing looks again
+    on the next poll."""
+    try:
+        return any(p.is_file() and p.stat().st_size for p in stage.rglob("*"))
+    except FileNotFoundError:  # a file or directory went while being looked at
+        return False
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_stopped_conversion_leaves_nothing(tmp_path, signum):
     """A conversion stopped mid-way (a job killed, Ctrl-C) removes its staging files and
@@ -201,7 +211,7 @@ def test_stopped_conversion_leaves_nothing(tmp_path, signum):
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not any(p.is_file() and p.stat().st_size for p in stage.rglob("*")):
+        while not _has_staged_bytes(stage):
             assert proc.poll() is None, "conversion ended before it could be stopped"
             assert time.monotonic() < deadline, "no staging file appeared"
             time.sleep(0.01)
