@@ -247,8 +247,9 @@ class MountConfig:
     backing: str = "auto"
     """How the kernel's erofs reads the FUSE file: ``file`` (erofs file-backed mount, kernel
     >= 6.12), ``loop`` (read-only loop device, direct I/O) or ``auto``: loop, else file, when
-    ``kernel_read_ahead_kb`` is above the kernel's 128 KiB (a file-backed mount cannot use
-    more), otherwise file, else loop."""
+    ``kernel_read_ahead_kb`` is above the kernel's 128 KiB (the loop device serves random
+    reads at about twice the rate, and a file-backed mount's read-ahead can be raised only
+    on kernels that say which bdi it has, 6.10+), otherwise file, else loop."""
     mount_timeout: float = 60.0
     """Seconds ``mount`` waits for the server to be ready (index, metadata, kernel mount)."""
     memory_sectors: int = 16

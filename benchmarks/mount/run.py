@@ -91,7 +91,7 @@ from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa:
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
 from snapshotter.config import MountConfig  # noqa: E402
-from snapshotter.mount import api, state  # noqa: E402
+from snapshotter.mount import api, kernel, state  # noqa: E402
 from snapshotter.mount.fuse import IMAGE_NAME  # noqa: E402
 
 MIB = 1 << 20
@@ -449,11 +449,9 @@ def _queue_setting(mnt: Path, name: str) -> int | None:
 
 
 def _read_ahead_kb(mnt: Path) -> int | None:
-    dev = os.stat(mnt).st_dev
+    name = kernel.bdi_name(mnt)  # a loop device's, or a file-backed erofs mount's own
     try:
-        return int(
-            Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text()
-        )
+        return int(Path(f"{kernel.SYS_BDI}/{name}/read_ahead_kb").read_text()) if name else None
     except OSError:
         return None
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import mountimages as images
 import pytest
@@ -43,6 +44,11 @@ def test_mount_directory_store_matches_the_source_tree(
     status = json.loads(snapshotter("status", "--json", *_cli_args(config)).stdout)
     (m,) = status["mounts"]
     assert m["alive"] and m["backing"] == backing and m["ref"] == umoci_dir_ref
+    # the kernel reads ahead as configured: a loop device's bdi, or a file-backed mount's own
+    bdi = kernel.bdi_name(mnt)
+    assert bdi is not None and bdi.startswith("erofs-" if backing == "file" else "7:"), bdi
+    read_ahead = (Path(kernel.SYS_BDI) / bdi / "read_ahead_kb").read_text()
+    assert int(read_ahead) == config.kernel_read_ahead_kb
     fetch = m["stats"]["fetch"]
     assert fetch["sectors_fetched"] > 0 and fetch["fetch_errors"] == 0
     assert fetch["fetch_latency"]["p50"] is not None
