@@ -205,6 +205,8 @@ class CacheMetrics:
         self.uncached = Counter()
         self.evictions = Counter()  # entries removed to stay under the size cap
         self.corrupt = Counter()  # entries that failed verification and were deleted
+        # Small random reads answered from a read-around window already in memory.
+        self.read_around_hits = Counter()
 
     def snapshot(self) -> dict[str, Any]:
         return {name: m.value for name, m in vars(self).items() if isinstance(m, Counter)}

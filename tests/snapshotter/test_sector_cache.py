@@ -22,6 +22,9 @@ from imagetool.format import sector_checksum
 from snapshotter.cache.entry import ALIGN, VERIFY_BLOCK, EntryBuffer, entry_file_size
 from snapshotter.cache.sectors import (
     LAYOUT_VERSION,
+    READ_AROUND,
+    READ_AROUND_MAX,
+    READ_AROUND_WINDOWS,
     SectorCache,
     cache_entries,
     shared_usage,
@@ -861,3 +864,73 @@ def _cached(fd: int, offset: int) -> bool:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def test_small_random_reads_are_served_from_the_window_read_around_them(tmp_path: Path) -> None:
+    data = random.Random(15).randbytes(1 << 20)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 4 << 20).put(key, data)
+    cache = SectorCache(tmp_path, 4 << 20)  # another process: nothing read yet
+    scratch = scratch_memory(view_room(2 * READ_AROUND))
+    size = len(data)
+    start = 300_000 - 300_000 % READ_AROUND
+    got = cache.read_view(key, 300_000, 4096, scratch, size)
+    assert got is not None and got[0] == data[300_000:304_096]
+    assert got[1] == 0  # a view of the window, none of the caller's scratch
+    # every other small read in that window: from memory, not one byte read from the disk
+    offsets = range(start, start + READ_AROUND - 4096, 8192)
+    before = _rchar()
+    views = [cache.read_view(key, off, 4096, scratch, size) for off in offsets]
+    assert _rchar() - before < 1024  # this test's read of /proc/self/io
+    assert [v[0] if v else None for v in views] == [data[o : o + 4096] for o in offsets]
+    assert cache.metrics.read_around_hits.value == len(offsets)
+    # a larger read, a sequential one and one across two windows are read as they are
+    # (into the caller's scratch), never a window's worth more
+    for off, length, sequential in ((600_000, READ_AROUND_MAX + 1, False), (700_000, 4096, True),
+                                    (2 * READ_AROUND - 100, 200, False)):  # fmt: skip
+        before = _rchar()
+        got = cache.read_view(key, off, length, scratch, size, sequential=sequential)
+        assert got is not None and got[0] == data[off : off + length] and got[1] > 0
+        assert _rchar() - before < length + 2 * VERIFY_BLOCK + 1024
+    assert cache.metrics.read_around_hits.value == len(offsets)
+
+
+def test_a_window_with_a_damaged_block_is_never_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = random.Random(16).randbytes(1 << 20)
+    key = sector_checksum(data)
+    SectorCache(tmp_path, 4 << 20).put(key, data)
+    path = entry_path(tmp_path, key)
+    with open(path, "r+b") as f:  # a block of the window, not of the range asked for
+        f.seek(READ_AROUND + VERIFY_BLOCK * 5 + 10)
+        f.write(b"\xff")
+    cache = SectorCache(tmp_path, 4 << 20)
+    scratch = scratch_memory(view_room(READ_AROUND))
+    assert cache.read_view(key, READ_AROUND + 100, 4096, scratch, len(data)) is None
+    assert "corrupt" in caplog.text and not path.exists() and key not in cache
+    assert cache.metrics.corrupt.value == 1 and cache.metrics.read_around_hits.value == 0
+
+
+def test_a_window_outlives_its_entry_and_its_place_in_memory(tmp_path: Path) -> None:
+    rng = random.Random(17)
+    data = rng.randbytes(1 << 20)
+    key = sector_checksum(data)
+    cache = SectorCache(tmp_path, 64 << 20)
+    cache.put(key, data)
+    scratch = scratch_memory(view_room(READ_AROUND))
+    view = cache.read_view(key, 5000, 3000, scratch, len(data))
+    assert view is not None
+    # the entry goes (evicted, deleted behind the cache's back): the window in memory holds
+    # its verified bytes, which a name that is their checksum never lets change
+    entry_path(tmp_path, key).unlink()
+    again = cache.read_view(key, 9000, 3000, scratch, len(data))
+    assert again is not None and again[0] == data[9000:12_000]
+    # other windows push it out of memory: a view an answer still holds stays valid
+    others = [random_entry(rng, READ_AROUND) for _ in range(READ_AROUND_WINDOWS + 1)]
+    for other, stored in others:
+        cache.put(other, stored)
+        got = cache.read_view(other, 100, 100, scratch, len(stored))
+        assert got is not None and got[0] == stored[100:200]
+    assert view[0] == data[5000:8000]
+    assert cache.metrics.read_around_hits.value == 1
