@@ -5,6 +5,7 @@
         [--rounds N] [--reuse] [--variant NAME=CHECKOUT ...] [--json out.json]
         [--mount-only] [--mount-repeats N] [--link PRESET]
         [--content mixed|random|fp16] [--format-version 1|2] [--raw-saving S]
+        [--backed-memory GIB]
 
 Measures, on the same image:
 * mount time (``snapshotter.mount.api.mount`` wall time, and the server's own breakdown, by
@@ -349,11 +350,17 @@ def measure_mount(ref: str, work: Path, backing: str, repeats: int) -> dict[str,
 
 
 def measure(
-    ref: str, work: Path, options: StoreOptions, backing: str, pids: dict[str, int]
+    ref: str,
+    work: Path,
+    options: StoreOptions,
+    backing: str,
+    pids: dict[str, int],
+    backed_bytes: int = 0,
 ) -> dict[str, object]:
     """One pass of reads over the mount with the snapshotter code on ``PYTHONPATH`` (the
     server started as a new interpreter, so that it is that checkout's); ``pids``: other
-    processes whose CPU the cold sequential pass records (the registry)."""
+    processes whose CPU the cold sequential pass records (the registry); ``backed_bytes``:
+    see ``back_memory``, done just before the cold sequential pass."""
     out: dict[str, object] = {}
     mnt = work / "mnt"
     mnt.mkdir(exist_ok=True)
@@ -370,6 +377,8 @@ def measure(
         out["read_ahead_kb"] = _read_ahead_kb(mnt)
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
         drop_caches()
+        if backed_bytes:
+            back_memory(backed_bytes)
         meter = CpuMeter({"mount_server": server.pid, **pids}).start()
         with CpuStages() as stages:
             out["cold_seq_MBps"] = seq_read(mnt)
@@ -408,6 +417,20 @@ def measure(
     finally:
         api.unmount(mnt, cfg)
     return out
+
+
+def back_memory(size: int) -> None:
+    """Write to ``size`` bytes of fresh anonymous memory and free them: the host backs that
+    much of the guest's free memory again. Under free page reporting (``machine_facts``) the
+    host takes back free memory in blocks of 2^``page_reporting_order`` pages, which are the
+    blocks a large page-cache folio is allocated from; the first write to each of their
+    pages then costs a fault on the host, which this VM charges to the writer (the mount
+    server's FUSE replies: ~1.5 CPU-s per GB of a cold pass with 4 MiB read-ahead, measured
+    in the results README). A host without free page reporting, or bare metal, has no such
+    cost; ``--backed-memory`` measures the data path as it would run there."""
+    with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
+        for offset in range(0, size, mmap.PAGESIZE):
+            m[offset] = 1
 
 
 def layer_latencies(mnt: Path, cfg: MountConfig) -> dict[str, dict[str, float]]:
@@ -507,6 +530,10 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/lazyblock-bench"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--backing", default="auto")
+    parser.add_argument(
+        "--backed-memory", type=float, default=0, metavar="GIB",
+        help="have the host back this much free memory just before each cold pass (back_memory)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians")
     parser.add_argument("--reuse", action="store_true", help="keep the image of an earlier run")
     parser.add_argument(
@@ -542,6 +569,7 @@ def main() -> int:
         "convert": convert,
         "setup_seconds": time.monotonic() - t,
         "machine": machine_facts(),
+        "backed_memory_GiB": args.backed_memory,
     }
     remote = None
     options = StoreOptions(plain_http=True)
@@ -584,7 +612,8 @@ def main() -> int:
                 os.environ["PYTHONPATH"] = path
                 out = measure_mount(ref, work, args.backing, args.mount_repeats)
                 if not args.mount_only:
-                    out.update(measure(ref, work, options, args.backing, pids))
+                    out.update(measure(ref, work, options, args.backing, pids,
+                                       int(args.backed_memory * (1 << 30))))  # fmt: skip
                 runs[name].append(out)
             if remote is not None:
                 remote.check()
