@@ -40,7 +40,11 @@ def test_reads_into_a_buffer_match_the_entry(tmp_path: Path, fresh: bool) -> Non
     assert read_view(cache, key, 0, 100, size=len(data) + 1) is None  # not the sector asked for
     assert read_view(cache, sector_checksum(b"absent"), 0, 100) is None
     small = scratch_memory(4096)  # too little scratch for the blocks: a miss, not a wrong read
-    assert cache.read_view(key, 1000, 20_000, small) is None
+    assert cache.read_view(key, 1000, 20_000, small, sequential=True) is None
+    assert cache.read_view(key, 1000, 40_000, small) is None
+    # ... except for a small random read, which needs none: its read-around window holds it
+    got = cache.read_view(key, 1000, 20_000, small)
+    assert got is not None and got[1] == 0 and got[0] == data[1000:21_000]
     assert cache.metrics.corrupt.value == 0
 
 
