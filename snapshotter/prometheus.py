@@ -10,7 +10,8 @@ Prometheus' ``rate`` handles as a counter reset).
 
 Metrics (all prefixed ``lazyblock_``): ``mounts``, ``sectors_fetched_total``,
 ``fetched_bytes_total``, ``store_requests_total``, ``cache_hits_total``,
-``cache_misses_total``, ``cache_uncached_total``, ``cache_hit_ratio``,
+``cache_misses_total``, ``cache_uncached_total``, ``cache_read_around_hits_total``,
+``cache_hit_ratio``,
 ``fetch_latency_seconds`` (histogram),
 ``errors_total{kind=fetch|store|checksum|read|prefetch}``, ``inflight_fetches``,
 ``queued_fetches``, ``read_bytes_total``, ``prefetched_sectors_total``,
@@ -105,6 +106,16 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     for s in all_stats:
         uncached.add_metric([s["mountpoint"], s["ref"]], s.get("cache", {}).get("uncached", 0))
     yield uncached
+    around = CounterMetricFamily(
+        p + "cache_read_around_hits",
+        "Small random reads of the node cache answered from the 128 KiB window a read "
+        "before them took into memory (no disk read).",
+        labels=LABELS,
+    )
+    for s in all_stats:
+        around.add_metric([s["mountpoint"], s["ref"]],
+                          s.get("cache", {}).get("read_around_hits", 0))  # fmt: skip
+    yield around
 
     ratio = GaugeMetricFamily(
         p + "cache_hit_ratio", "Cache hits / (hits + misses) since mount.", labels=LABELS

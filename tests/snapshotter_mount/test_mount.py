@@ -57,6 +57,7 @@ def test_mount_directory_store_matches_the_source_tree(
     text = exposition(config).decode()
     assert f'lazyblock_sectors_fetched_total{{image="{umoci_dir_ref}",mountpoint="{mnt}"}}' in text
     assert "lazyblock_fetch_latency_seconds_bucket" in text and "lazyblock_cache_bytes" in text
+    assert f'lazyblock_cache_read_around_hits_total{{image="{umoci_dir_ref}"' in text
 
     profile = tmp_path / "profile.txt"
     snapshotter("profile", str(mnt), "-o", str(profile), *_cli_args(config))
