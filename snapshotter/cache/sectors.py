@@ -404,6 +404,14 @@ class SectorCache:
         self._hit(checksum, verified)
         return scratch[offset - lo : end - lo], took
 
+    def release_windows(self) -> int:
+        """Forget the read-around windows (a mount server that has gone quiet gives their
+        memory back); returns how many bytes they held."""
+        with self._lock:
+            freed = sum(len(w) for w in self._windows.values())
+            self._windows.clear()
+        return freed
+
     def will_need(self, checksum: str) -> None:
         """The entry will be read sequentially soon: have the kernel start reading it into
         the page cache (see ``read_view``'s ``sequential``)."""

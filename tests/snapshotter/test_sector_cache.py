@@ -934,3 +934,6 @@ def test_a_window_outlives_its_entry_and_its_place_in_memory(tmp_path: Path) -> 
         assert got is not None and got[0] == stored[100:200]
     assert view[0] == data[5000:8000]
     assert cache.metrics.read_around_hits.value == 1
+    # a quiet server gives the windows' memory back; a view still held stays valid
+    assert cache.release_windows() == READ_AROUND_WINDOWS * READ_AROUND
+    assert cache.release_windows() == 0 and view[0] == data[5000:8000]
