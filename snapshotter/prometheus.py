@@ -97,25 +97,26 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     yield counter("read_bytes", "Bytes served to the kernel through FUSE.", "read_bytes")
     yield counter("prefetched_sectors", "Sectors brought in by the prefetcher.",
                   "prefetched_sectors")  # fmt: skip
-    uncached = CounterMetricFamily(
-        p + "cache_uncached",
+
+    def cache_counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+        # 0 where a server's cache statistics lack the key (an older version's)
+        fam = CounterMetricFamily(p + name, doc, labels=LABELS)
+        for s in all_stats:
+            fam.add_metric([s["mountpoint"], s["ref"]], s.get("cache", {}).get(key, 0))
+        return fam
+
+    yield cache_counter(
+        "cache_uncached",
         "Sectors served from memory without being cached: no room could be made (what the "
         "cache holds is pinned by reads in progress).",
-        labels=LABELS,
+        "uncached",
     )
-    for s in all_stats:
-        uncached.add_metric([s["mountpoint"], s["ref"]], s.get("cache", {}).get("uncached", 0))
-    yield uncached
-    around = CounterMetricFamily(
-        p + "cache_read_around_hits",
+    yield cache_counter(
+        "cache_read_around_hits",
         "Small random reads of the node cache answered from the 128 KiB window a read "
         "before them took into memory (no disk read).",
-        labels=LABELS,
+        "read_around_hits",
     )
-    for s in all_stats:
-        around.add_metric([s["mountpoint"], s["ref"]],
-                          s.get("cache", {}).get("read_around_hits", 0))  # fmt: skip
-    yield around
 
     ratio = GaugeMetricFamily(
         p + "cache_hit_ratio", "Cache hits / (hits + misses) since mount.", labels=LABELS
