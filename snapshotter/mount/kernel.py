@@ -176,25 +176,24 @@ def bdi_name(path: Path) -> str | None:
     file-backed erofs mount has a bdi of its own, named like its superblock in sysfs
     (``erofs-14``), which ``FS_IOC_GETFSSYSFSPATH`` (kernel 6.10+) gives as
     ``erofs/erofs-14``; its ``st_dev`` is an anonymous device with no bdi of that name."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        dev = os.fstat(fd).st_dev
+        buf = bytearray(FS_SYSFS_PATH.size)
         try:
-            buf = bytearray(FS_SYSFS_PATH.size)
             fcntl.ioctl(fd, FS_IOC_GETFSSYSFSPATH, buf, True)
-        except OSError:
-            buf = bytearray()
-        finally:
-            os.close(fd)
-        if buf:
             length, name = FS_SYSFS_PATH.unpack(buf)
-            leaf = name[:length].decode(errors="replace").rpartition("/")[2]
-            if leaf and os.path.isdir(f"{SYS_BDI}/{leaf}"):
-                return leaf
-    with contextlib.suppress(OSError):
-        dev = os.stat(path).st_dev
-        name = f"{os.major(dev)}:{os.minor(dev)}"
-        if os.path.isdir(f"{SYS_BDI}/{name}"):
-            return name
+            sysfs = name[:length].decode(errors="replace").rpartition("/")[2]
+        except OSError:  # before 6.10, or a file system with no sysfs name
+            sysfs = ""
+    finally:
+        os.close(fd)
+    for candidate in (sysfs, f"{os.major(dev)}:{os.minor(dev)}"):
+        if candidate and os.path.isdir(f"{SYS_BDI}/{candidate}"):
+            return candidate
     return None
 
 
@@ -223,8 +222,7 @@ def set_read_ahead(path: Path, kib: int, request_kib: int = FUSE_REQUEST_KIB) ->
         log.info("cannot set the read-ahead of %s (%s): %s", path, knob, e)
         return None
     dev = os.stat(path).st_dev
-    if name == f"{os.major(dev)}:{os.minor(dev)}":
-        _align_requests(os.major(dev), os.minor(dev), request_kib)
+    _align_requests(os.major(dev), os.minor(dev), request_kib)
     return old
 
 
