@@ -814,13 +814,12 @@ class SectorFetcher:
         return bytearray(self._buffer_size)
 
     def release_buffers(self) -> int:
-        """Drop the transfer buffers kept for reuse and the cache's read-around windows (a
-        mount server that has gone quiet gives their memory back); returns how many bytes
-        they held."""
+        """Drop the transfer buffers kept for reuse (a mount server that has gone quiet
+        gives their memory back); returns how many bytes they held."""
         with self._lock:
             freed = sum(len(b) for b in self._buffers)
             self._buffers.clear()
-        return freed + self.cache.release_windows()
+        return freed
 
     def _give_buffer(self, buf: bytearray) -> None:
         with self._lock:

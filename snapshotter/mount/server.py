@@ -412,7 +412,8 @@ class MountServer:
 
     def serve(self) -> None:
         """Serve (the prefetch goes on in the background) until unmounted or asked to stop."""
-        assert self.fetcher is not None and self._fuse_thread is not None
+        assert self.fetcher is not None and self.cache is not None
+        assert self._fuse_thread is not None
         metrics = self.fetcher.metrics
         trimmer = memory.Trimmer()
         next_holder_check = time.monotonic() + HOLDER_CHECK_INTERVAL
@@ -428,6 +429,7 @@ class MountServer:
             work = metrics.read_bytes.value + metrics.bytes_fetched.value
             if trimmer.due(work, time.monotonic()):
                 self.fetcher.release_buffers()
+                self.cache.release_windows()
                 memory.trim()
         log.info("FUSE file system of %s is gone; exiting", self.mountpoint)
 
