@@ -18,7 +18,6 @@ parse time in this process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import ROOT, make_layout, measure_mount  # noqa: E402
+from run import ROOT, make_layout, measure_mount, report  # noqa: E402
 from support import Registry  # noqa: E402
 
 from imagetool.format import Index  # noqa: E402
@@ -132,10 +131,7 @@ def main() -> int:
             "first_mount_under_0.5s": r["first_mount_seconds"] < 0.5,  # type: ignore[operator]
         }
         results[name] = r
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    report(results, args.json)
     return 0
 
 

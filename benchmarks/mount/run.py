@@ -103,6 +103,14 @@ QUIET_SECONDS = 5.0  # more than the mount server's 2 s of quiet before it trims
 LATENCY_COUNT = 500
 
 
+def report(results: dict[str, object], path: Path | None) -> None:
+    """A run's results as JSON: printed, and written to ``path`` (``--json``) if given."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    if path:
+        path.write_text(text)
+
+
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
@@ -675,15 +683,12 @@ def main() -> int:
             "cold_seq_blob_vs_store": r["cold_seq_blob_MBps"] / results["store_MBps"],  # type: ignore[operator]
         }  # fmt: skip
         results[name] = r
-    text = json.dumps(results, indent=2)
-    print(text)
+    report(results, args.json)
     for name in variants:
         stages = results[name].get("cold_seq_stages")  # type: ignore[union-attr]
         if stages:
             print(f"cold sequential, CPU-s per GB of image by stage ({name}):", file=sys.stderr)
             print(format_report({"per_GB": stages}), file=sys.stderr)
-    if args.json:
-        args.json.write_text(text)
     return 0
 
 

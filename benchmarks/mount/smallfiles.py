@@ -35,11 +35,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import ROOT, drop_caches, make_layout  # noqa: E402
+from run import ROOT, drop_caches, make_layout, report  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -71,6 +72,16 @@ def snapshotter(checkout: str, *args: str) -> str:
     return done.stdout
 
 
+def cli_dirs(work: Path) -> list[str]:
+    """The node's sector cache and mount state under ``work``, as ``snapshotter`` options."""
+    return ["--cache-dir", str(work / "cache"), "--state-dir", str(work / "state")]
+
+
+def mount_status(checkout: str, dirs: list[str]) -> dict[str, Any]:
+    """``snapshotter status --json`` of the one mount under ``dirs``."""
+    return json.loads(snapshotter(checkout, "status", "--json", *dirs))["mounts"][0]
+
+
 def read_all(root: Path, paths: list[str]) -> float:
     """Seconds to open and read each file whole."""
     start = time.monotonic()
@@ -91,17 +102,17 @@ def through_mount(
 ) -> dict[str, float]:
     """One pass through a fresh mount of ``checkout`` (page cache dropped first)."""
     mnt = work / "mnt"
-    dirs = ["--cache-dir", str(work / "cache"), "--state-dir", str(work / "state")]
+    dirs = cli_dirs(work)
     subprocess.run(["pkill", "-f", "snapshotter.mount.forkserver"], check=False)
     drop_caches()
     snapshotter(checkout, "mount", "--no-prefetch", "--backing", backing, *dirs, ref, str(mnt))
     try:
-        stats = json.loads(snapshotter(checkout, "status", "--json", *dirs))["mounts"][0]
-        pid, before = stats["pid"], stats["stats"]
+        status = mount_status(checkout, dirs)
+        pid, before = status["pid"], status["stats"]
         cpu = server_cpu(pid)
         seconds = read_all(mnt, paths)
         cpu = server_cpu(pid) - cpu
-        after = json.loads(snapshotter(checkout, "status", "--json", *dirs))["mounts"][0]["stats"]
+        after = mount_status(checkout, dirs)["stats"]
     finally:
         snapshotter(checkout, "umount", "--state-dir", str(work / "state"), str(mnt))
     return {
@@ -137,7 +148,7 @@ def main() -> int:
     )  # fmt: skip
     (args.work / "mnt").mkdir(exist_ok=True)
     # Every sector into the node cache once, through this checkout's mount.
-    dirs = ["--cache-dir", str(args.work / "cache"), "--state-dir", str(args.work / "state")]
+    dirs = cli_dirs(args.work)
     snapshotter(str(ROOT), "mount", "--no-prefetch", *dirs, ref, str(args.work / "mnt"))
     try:
         for p in sorted((args.work / "mnt").rglob("*")):
@@ -167,10 +178,7 @@ def main() -> int:
         r["vs_local"] = r["seconds"] / local  # type: ignore[operator]
         r["per_round"] = passes
         results[name] = r
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    report(results, args.json)
     return 0
 
 
