@@ -62,7 +62,8 @@ def _config_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 overrides[key] = value
         for flag, key in (("prefetch", "prefetch.enabled"),
                           ("background_fetch", "prefetch.background_fetch"),
-                          ("backing", "mount.backing"), ("address", "snapshotter.address"),
+                          ("backing", "mount.backing"), ("local_copy", "mount.local_copy"),
+                          ("address", "snapshotter.address"),
                           ("root", "snapshotter.root"),
                           ("insecure", "snapshotter.insecure_registries")):  # fmt: skip
             if flag in kwargs:
@@ -106,6 +107,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
               help="Then fetch the whole image in the background.")  # fmt: skip
 @click.option("--backing", type=click.Choice(["auto", "file", "loop"]),
               help="erofs on the FUSE file directly (file) or through a loop device.")  # fmt: skip
+@click.option("--local-copy/--no-local-copy", default=None,
+              help="Once the image is whole in the cache, have its loop device read a copy "
+                   "of it past FUSE (mount.local_copy).")  # fmt: skip
 @click.option("--foreground", is_flag=True, help="Serve from this process until unmounted.")
 @_config_options
 @click.pass_context

@@ -8,7 +8,7 @@ Every key is documented in ``deploy/config.toml.example``.
 
     [cache]     dir, size                                   -> MountConfig.cache_*
     [state]     dir                                         -> MountConfig.state_dir
-    [mount]     backing, timeout, memory_sectors, read_timeout, launcher
+    [mount]     backing, local_copy, timeout, memory_sectors, read_timeout, launcher
     [prefetch]  enabled, background_fetch, bandwidth, batch_sectors, max_cache_fraction,
                 stream_fraction
     [fetch]     max_parallel, max_parallel_prefetch, request_timeout, retries, backoff_base,
@@ -250,6 +250,11 @@ class MountConfig:
     ``kernel_read_ahead_kb`` is above the kernel's 128 KiB (the loop device serves random
     reads at about twice the rate, and a file-backed mount's read-ahead can be raised only
     on kernels that say which bdi it has, 6.10+), otherwise file, else loop."""
+    local_copy: bool = False
+    """Once the image is whole in the cache and the mount quiet, copy it out of the cache
+    and have the loop device read the copy, past FUSE (``snapshotter.mount.localcopy``):
+    local disk's speed, at the cost of as much disk again (within ``cache_size``) and of
+    checks per read (the copy is verified once, when made)."""
     mount_timeout: float = 60.0
     """Seconds ``mount`` waits for the server to be ready (index, metadata, kernel mount)."""
     memory_sectors: int = 16
@@ -488,6 +493,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "cache.size": (parse_size, "m.cache_size"),
     "state.dir": (lambda v: Path(str(v)), "m.state_dir"),
     "mount.backing": (str, "m.backing"),
+    "mount.local_copy": (_bool, "m.local_copy"),
     "mount.timeout": (_float, "m.mount_timeout"),
     "mount.memory_sectors": (_int, "m.memory_sectors"),
     "mount.read_timeout": (_opt_float, "m.read_timeout"),

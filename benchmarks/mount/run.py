@@ -77,7 +77,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -364,11 +364,14 @@ def measure(
     backing: str,
     pids: dict[str, int],
     backed_bytes: int = 0,
+    local_copy: bool = False,
 ) -> dict[str, object]:
     """One pass of reads over the mount with the snapshotter code on ``PYTHONPATH`` (the
     server started as a new interpreter, so that it is that checkout's); ``pids``: other
     processes whose CPU the cold sequential pass records (the registry); ``backed_bytes``:
-    see ``back_memory``, done just before the cold sequential pass."""
+    see ``back_memory``, done just before the cold sequential pass; ``local_copy``: also
+    measure warm reads of a mount whose loop device reads a copy of the image
+    (``measure_local_copy``)."""
     out: dict[str, object] = {}
     mnt = work / "mnt"
     mnt.mkdir(exist_ok=True)
@@ -416,12 +419,38 @@ def measure(
         out["warm_rand_fresh_MBps"] = rand_read(mnt, seed=8)
     finally:
         api.unmount(mnt, cfg)
+    if local_copy:
+        out.update(measure_local_copy(ref, mnt, replace(cfg, backing="loop", local_copy=True)))
     # cold random: a fresh cache
     shutil.rmtree(cache, ignore_errors=True)
     try:
         api.mount(ref, mnt, cfg, fork_server=False)
         drop_caches()
         out["cold_rand_MBps"] = rand_read(mnt)
+    finally:
+        api.unmount(mnt, cfg)
+    return out
+
+
+def measure_local_copy(ref: str, mnt: Path, cfg: MountConfig) -> dict[str, object]:
+    """A fresh mount of the image, whole in the cache, with ``mount.local_copy``: how long
+    the copy takes and its server's CPU (from the mount to the loop device's switch), then
+    warm reads through the loop device reading the copy, past FUSE."""
+    out: dict[str, object] = {}
+    try:
+        server = api.mount(ref, mnt, cfg, fork_server=False)
+        cpu = _process_cpu(server.pid)
+        started = time.monotonic()
+        while (state := api.stats(mnt, cfg)["local_copy"])["state"] != "done":
+            if state["state"] not in ("waiting", "copying") or time.monotonic() - started > 600:
+                raise RuntimeError(f"no local copy: {state}")
+            time.sleep(0.1)
+        out["local_copy_seconds"] = state["seconds"]
+        out["local_copy_server_cpu_s"] = _process_cpu(server.pid) - cpu
+        drop_caches()
+        out["warm_seq_copy_MBps"] = seq_read(mnt)
+        drop_caches()
+        out["warm_rand_copy_MBps"] = rand_read(mnt)
     finally:
         api.unmount(mnt, cfg)
     return out
@@ -542,6 +571,10 @@ def main() -> int:
         "--backed-memory", type=float, default=0, metavar="GIB",
         help="have the host back this much free memory just before each cold pass (back_memory)",
     )  # fmt: skip
+    parser.add_argument(
+        "--local-copy", action="store_true",
+        help="also read a warm mount whose loop device reads a local copy (mount.local_copy)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians")
     parser.add_argument("--reuse", action="store_true", help="keep the image of an earlier run")
     parser.add_argument(
@@ -621,7 +654,8 @@ def main() -> int:
                 out = measure_mount(ref, work, args.backing, args.mount_repeats)
                 if not args.mount_only:
                     out.update(measure(ref, work, options, args.backing, pids,
-                                       int(args.backed_memory * (1 << 30))))  # fmt: skip
+                                       int(args.backed_memory * (1 << 30)),
+                                       args.local_copy))  # fmt: skip
                 runs[name].append(out)
             if remote is not None:
                 remote.check()
@@ -679,6 +713,10 @@ def main() -> int:
         r["targets"] |= {
             "warm_seq_vs_local": r["warm_seq_MBps"] / results["local_seq_MBps"],  # type: ignore[operator]
             "warm_rand_vs_local": r["warm_rand_MBps"] / results["local_rand_MBps"],  # type: ignore[operator]
+            **({
+                "warm_seq_copy_vs_local": r["warm_seq_copy_MBps"] / results["local_seq_MBps"],  # type: ignore[operator]
+                "warm_rand_copy_vs_local": r["warm_rand_copy_MBps"] / results["local_rand_MBps"],  # type: ignore[operator]
+            } if "warm_rand_copy_MBps" in r else {}),
             "cold_seq_vs_store": r["cold_seq_MBps"] / results["store_MBps"],  # type: ignore[operator]
             "cold_seq_blob_vs_store": r["cold_seq_blob_MBps"] / results["store_MBps"],  # type: ignore[operator]
         }  # fmt: skip

@@ -2,7 +2,7 @@
 
     python benchmarks/mount/smallfiles.py [--tree DIR] [--pattern '*.py'] [--rounds 3]
         [--work /var/tmp/lazyblock-bench-smallfiles] [--reuse]
-        [--variant NAME=CHECKOUT ...] [--backing auto|file|loop ...] [--json out.json]
+        [--variant NAME=CHECKOUT ...] [--backing auto|file|loop|copy ...] [--json out.json]
 
 A Python start reads thousands of small files: the vLLM image's warm start read 10,588 of
 them through the mount and took 3.4 s longer than from local disk. ``run.py`` measures large
@@ -14,7 +14,9 @@ one layer, converted into a directory store. Its sectors are put in the node cac
 * every file matching ``--pattern``, in path order (a package's modules side by side, as
   imports find them), opened and read whole through a fresh mount of this checkout and of
   each ``--variant`` (another checkout, run through ``PYTHONPATH``: its CLI, its server),
-  with each ``--backing`` given (``mount --backing``; default ``auto``);
+  with each ``--backing`` given (``mount --backing``; default ``auto``; ``copy``: a loop
+  device switched to a local copy of the image, ``mount --local-copy``, the pass timed
+  once it is);
 * the same files from ``--tree`` on local disk: the reference.
 
 Reported per checkout (medians over ``--rounds``, every round under ``per_round``): the
@@ -100,13 +102,20 @@ def server_cpu(pid: int) -> float:
 def through_mount(
     checkout: str, backing: str, ref: str, work: Path, paths: list[str]
 ) -> dict[str, float]:
-    """One pass through a fresh mount of ``checkout`` (page cache dropped first)."""
+    """One pass through a fresh mount of ``checkout`` (page cache dropped first); backing
+    ``copy``: a loop device that reads a local copy of the image (``mount.local_copy``),
+    once it does."""
     mnt = work / "mnt"
     dirs = cli_dirs(work)
     subprocess.run(["pkill", "-f", "snapshotter.mount.forkserver"], check=False)
+    options = ["--backing", "loop", "--local-copy"] if backing == "copy" else ["--backing", backing]
     drop_caches()
-    snapshotter(checkout, "mount", "--no-prefetch", "--backing", backing, *dirs, ref, str(mnt))
+    snapshotter(checkout, "mount", "--no-prefetch", *options, *dirs, ref, str(mnt))
+    copy: dict[str, float] = {}
     try:
+        if backing == "copy":
+            copy = wait_for_copy(checkout, dirs)
+            drop_caches()
         status = mount_status(checkout, dirs)
         pid, before = status["pid"], status["stats"]
         cpu = server_cpu(pid)
@@ -121,7 +130,18 @@ def through_mount(
         "fuse_reads": after["fetch"]["reads"] - before["fetch"]["reads"],
         "read_around_hits": after["cache"].get("read_around_hits", 0)
         - before["cache"].get("read_around_hits", 0),
+        **copy,
     }
+
+
+def wait_for_copy(checkout: str, dirs: list[str]) -> dict[str, float]:
+    """Wait for the mount's local copy; how long making it took, from the mount."""
+    started = time.monotonic()
+    while (state := mount_status(checkout, dirs)["stats"]["local_copy"])["state"] != "done":
+        if state["state"] not in ("waiting", "copying") or time.monotonic() - started > 600:
+            raise RuntimeError(f"no local copy: {state}")
+        time.sleep(0.2)
+    return {"copy_seconds": state["seconds"], "copy_ready_after_s": time.monotonic() - started}
 
 
 def main() -> int:
@@ -133,7 +153,12 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep the image of an earlier run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR")
-    parser.add_argument("--backing", action="append", choices=["auto", "file", "loop"])
+    parser.add_argument(
+        "--backing",
+        action="append",
+        choices=["auto", "file", "loop", "copy"],
+        help="copy: a loop device reading a local copy (mount.local_copy)",
+    )
     args = parser.parse_args()
     backings = args.backing or ["auto"]
     tree = args.tree.resolve()

@@ -36,6 +36,10 @@ Layout under ``root`` (the version lets a later layout live beside this one)::
                                 counted against the cap; ``flock``ed by their writer until
                                 installed, so a rescan removes one whose writer died
     v3/<cc>/<checksum>          one entry; <cc> is the checksum's first two hex digits
+    v3/local/<name>             a whole image copied out of the cache, which a loop device
+                                reads (``snapshotter.mount.localcopy``); counted against
+                                the cap while a loop device holds it, removed by a rescan
+                                once none does
 
 Writes go to ``wip/`` and are renamed into place, so readers see a whole entry or none. They
 are not fsynced: a crash can leave a renamed entry with lost or torn contents, which the
@@ -167,6 +171,10 @@ WIP_PREFIX = "r"
 ORPHAN_CHECK_SECONDS = 5.0
 # The directory's entry bytes, kept by every process that shares it (``SharedUsage``).
 USAGE_FILE = "usage"
+# Whole images copied out of the cache for a loop device to read (``reserve_copy``), beside
+# the entries and counted against the same cap.
+LOCAL_DIR = "local"
+SYS_BLOCK = "/sys/block"
 
 
 def decode_stored(stored: bytes, checksum: str) -> bytes | None:
@@ -302,6 +310,7 @@ class SectorCache:
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
         self._wip = self._dir / "wip"
+        self._local = self._dir / LOCAL_DIR
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> file bytes, LRU first
         self._usage = 0
@@ -320,6 +329,7 @@ class SectorCache:
         self._windows: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
         try:
             self._wip.mkdir(parents=True, exist_ok=True)
+            self._local.mkdir(exist_ok=True)
             self._shared = SharedUsage(self._dir / USAGE_FILE)
         except OSError as e:
             raise CacheError(f"cannot create sector cache at {self._dir}: {e}") from e
@@ -635,6 +645,33 @@ class SectorCache:
             with self._changing():
                 if checksum in self._entries and checksum not in self._pins:
                     self._delete(checksum)
+
+    # --- whole images copied out (``snapshotter.mount.localcopy``) ------------------------
+
+    def reserve_copy(self, size: int) -> _Reservation | None:
+        """Room for a file of ``size`` bytes (a whole image's copy), made as for an entry:
+        least recently used entries evicted, the file created in ``wip/`` at its full size,
+        counted against the cap and locked by this process until ``install_copy`` or
+        ``release_copy``. None when the cap has no room for it."""
+        with self._changing():
+            return self._reserve(size)
+
+    def install_copy(self, res: _Reservation, name: str) -> Path:
+        """Move a reserved copy, which a loop device now reads, to ``local/<name>``. It stays
+        counted in the directory's usage until ``remove_copy``, or until a rescan finds that
+        no loop device holds it any more."""
+        target = self._local / name
+        with self._changing():
+            os.replace(res.path, target)
+            res.close()
+            self._usage -= res.total
+            self._reserved -= res.total
+        return target
+
+    def release_copy(self, res: _Reservation) -> None:
+        """Give up a reserved copy (it could not be made): its file and its room."""
+        with self._changing():
+            self._release(res)
 
     # --- internals: reads -----------------------------------------------------------------
 
@@ -994,9 +1031,10 @@ class SectorCache:
 
     def _scan(self) -> tuple[list[tuple[float, str, int]], int]:
         """(last use, checksum, bytes) of every entry file, least recently used first, and
-        the bytes of the entries being written (reserved at their full size); removes the
-        files of writers that are gone. Under the directory's lock, so every reservation it
-        sees is locked by its writer if that writer lives."""
+        the bytes of the entries being written (reserved at their full size) and of the
+        copies in ``local/`` that loop devices read; removes the files of writers that are
+        gone, and the copies no loop device holds. Under the directory's lock, so every
+        reservation it sees is locked by its writer if that writer lives."""
         now = time.time()
         writing = 0
         for f in self._wip.iterdir():
@@ -1009,9 +1047,17 @@ class SectorCache:
                     log.info("sector cache: removed %s, left by a writer that is gone", f)
                 else:
                     writing += st.st_size
+        held = loop_backing_files()
+        for f in self._local.iterdir():
+            with contextlib.suppress(OSError):
+                if str(f) in held:
+                    writing += f.stat().st_size
+                else:
+                    f.unlink()
+                    log.info("sector cache: removed %s, a copy no loop device reads", f)
         found: list[tuple[float, str, int]] = []
         for sub in self._dir.iterdir():
-            if sub.name == "wip" or not sub.is_dir():
+            if sub.name in ("wip", LOCAL_DIR) or not sub.is_dir():
                 continue
             for f in sub.iterdir():
                 name = f.name
@@ -1131,7 +1177,7 @@ def cache_entries(
     except OSError:
         return []
     for sub in subs:
-        if sub.name == "wip" or not sub.is_dir():
+        if sub.name in ("wip", LOCAL_DIR) or not sub.is_dir():
             continue
         try:
             for entry in os.scandir(sub.path):
@@ -1144,6 +1190,35 @@ def cache_entries(
             pass
     out.sort(key=lambda e: e[2])
     return out
+
+
+def loop_backing_files() -> set[str]:
+    """The files that the node's loop devices read (their paths as the kernel shows them)."""
+    held = set()
+    with contextlib.suppress(OSError):
+        for dev in os.scandir(SYS_BLOCK):
+            with contextlib.suppress(OSError):
+                with open(os.path.join(dev.path, "loop", "backing_file")) as f:
+                    held.add(f.read().strip())
+    return held
+
+
+def remove_copy(root: os.PathLike[str] | str, path: os.PathLike[str] | str) -> int:
+    """Delete a whole image's copy in ``local/`` (its mount is gone) and take its bytes off
+    the directory's count; returns them (0 if it was gone already). A loop device that still
+    reads it keeps reading the deleted file until it is detached."""
+    local = os.path.join(root, LAYOUT_VERSION, LOCAL_DIR)
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(local):
+        raise CacheError(f"{path} is not a copy in {local}")
+    usage = SharedUsage(Path(root) / LAYOUT_VERSION / USAGE_FILE)
+    with usage.held():
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        usage.add(-size)
+    return size
 
 
 def shared_usage(root: os.PathLike[str] | str) -> int | None:

@@ -13,6 +13,8 @@
 * ``fuse``: the image as one read-only FUSE file, reads answered by the data path, on
   ``fusewire`` (the FUSE protocol on ``/dev/fuse``, without libfuse);
 * ``kernel``: the kernel's erofs on that file (loop device or file-backed), and unmounting;
+* ``localcopy``: a whole image copied out of the cache for its loop device to read past FUSE
+  (``mount.local_copy``);
 * ``memory``: the server's use of glibc's allocator.
 
 May import ``snapshotter.datapath``, ``snapshotter.cache``, the leaves and imagetool's

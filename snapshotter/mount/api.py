@@ -50,8 +50,9 @@ from typing import Any
 from imagetool.errors import InvalidReferenceError
 from imagetool.profile import Profile, ProfileEntry
 from imagetool.stores.refs import absolute_ref
+from snapshotter.cache import sectors
 from snapshotter.config import MountConfig
-from snapshotter.errors import SnapshotterError
+from snapshotter.errors import CacheError, SnapshotterError
 from snapshotter.mount import control, forkserver, handover, kernel, launcher, state
 
 log = logging.getLogger(__name__)
@@ -509,7 +510,12 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
     if record is not None and not (alive and lazy):
         _stop_holder(record)  # its server told it already, unless it died meanwhile
     if record is not None and record.loop_device:
-        _release_loop(record.loop_device, fuse_dir)
+        _release_loop(record.loop_device, fuse_dir, record.local_copy)
+    if record is not None and record.local_copy:
+        try:
+            sectors.remove_copy(record.cache_dir, record.local_copy)
+        except (OSError, CacheError) as e:  # a rescan of the cache removes it
+            log.warning("cannot remove the local copy %s: %s", record.local_copy, e)
     if directory.exists() and not (alive and lazy and record and record.alive):
         state.remove_mount_dir(directory)
 
@@ -536,9 +542,9 @@ def _ours_at(mountpoint: Path, directory: Path) -> bool:
     )
 
 
-def _release_loop(device: str, fuse_dir: Path) -> None:
+def _release_loop(device: str, fuse_dir: Path, local_copy: str = "") -> None:
     backing = kernel.loop_backing_file(device)
-    if backing and backing.startswith(str(fuse_dir)):
+    if backing and (backing.startswith(str(fuse_dir)) or (local_copy and backing == local_copy)):
         subprocess.run(["losetup", "--detach", device], capture_output=True)
 
 

@@ -43,6 +43,9 @@ SYS_BDI = "/sys/class/bdi"
 # ioctl FS_IOC_GETFSSYSFSPATH = _IOR(0x15, 1, struct fs_sysfs_path { __u8 len; __u8 name[128]; })
 FS_SYSFS_PATH = struct.Struct("B128s")
 FS_IOC_GETFSSYSFSPATH = (2 << 30) | (FS_SYSFS_PATH.size << 16) | (0x15 << 8) | 1
+# ioctl LOOP_CHANGE_FD (linux/loop.h): a read-only loop device reads another file of the
+# same size from now on.
+LOOP_CHANGE_FD = 0x4C06
 # The FUSE file's largest read (``snapshotter.mount.fusewire.MAX_READ``), in KiB.
 FUSE_REQUEST_KIB = 1024
 
@@ -166,6 +169,20 @@ def loop_backing_file(device: str) -> str | None:
     with contextlib.suppress(OSError):
         return Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
     return None
+
+
+def loop_change_fd(device: str, fd: int) -> None:
+    """Have the read-only loop device ``device`` read the open file ``fd`` (the same bytes,
+    of the same size) instead of the file it reads now; the file systems on it stay mounted
+    and their cached pages valid. The kernel refuses (EINVAL) a device that is not bound or
+    not read-only, or a file of another size."""
+    dev = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(dev, LOOP_CHANGE_FD, fd)
+    except OSError as e:
+        raise KernelMountError(f"LOOP_CHANGE_FD on {device}: {e.strerror}", e.errno) from None
+    finally:
+        os.close(dev)
 
 
 def bdi_name(path: Path) -> str | None:

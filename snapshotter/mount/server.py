@@ -72,7 +72,7 @@ from snapshotter.datapath.prefetch import Prefetcher
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import MountMetrics
-from snapshotter.mount import fuse, handover, holder, kernel, memory, state
+from snapshotter.mount import fuse, handover, holder, kernel, localcopy, memory, state
 from snapshotter.mount.control import ControlServer
 from snapshotter.mount.fusewire import FuseError, FuseServer
 
@@ -137,6 +137,10 @@ class MountServer:
         self._fuse_device = ""
         self._mount_seconds: dict[str, float] = {}
         self._index_cached = False
+        self._local_copy = ""  # path of the image's copy the loop device reads, once made
+        self._copy_state = "off" if not config.local_copy else "waiting"
+        self._copy_seconds = 0.0
+        self._copy_thread: threading.Thread | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -288,6 +292,8 @@ class MountServer:
         self.index_digest = record.index_digest
         self._backing, self._loop_device = record.backing, record.loop_device
         self._fuse_device = record.fuse_device
+        if record.local_copy:
+            self._local_copy, self._copy_state = record.local_copy, "done"
         opening = _Task("lazyblock-cache-open", SectorCache, cfg.cache_dir, cfg.cache_size)
         self.store = open_store(parse_ref(self.ref), cfg.store)
         self.index = self._load_index()
@@ -416,7 +422,9 @@ class MountServer:
         assert self._fuse_thread is not None
         metrics = self.fetcher.metrics
         trimmer = memory.Trimmer()
+        quiet = _Quiet(localcopy.QUIET_SECONDS)
         next_holder_check = time.monotonic() + HOLDER_CHECK_INTERVAL
+        next_copy_check = 0.0
         while self._fuse_thread.is_alive():
             if self.stop_requested.wait(0.2):
                 log.info("stopping: unmounting %s", self.mountpoint)
@@ -427,11 +435,56 @@ class MountServer:
                 next_holder_check = time.monotonic() + HOLDER_CHECK_INTERVAL
                 self._keep_holder()
             work = metrics.read_bytes.value + metrics.bytes_fetched.value
-            if trimmer.due(work, time.monotonic()):
+            now = time.monotonic()
+            if trimmer.due(work, now):
                 self.fetcher.release_buffers()
                 self.cache.release_windows()
                 memory.trim()
+            if quiet.since(work, now) and now >= next_copy_check and self._copy_state == "waiting":
+                next_copy_check = now + localcopy.CHECK_INTERVAL
+                self._start_copy()
         log.info("FUSE file system of %s is gone; exiting", self.mountpoint)
+
+    def _start_copy(self) -> None:
+        """Copy the image out of the cache for the loop device (``snapshotter.mount.localcopy``)
+        in a thread of its own, if it is whole in the cache and the mount is on a loop
+        device."""
+        assert self.index is not None and self.cache is not None
+        if self._backing != "loop" or not self._loop_device:
+            self._copy_state = "not on a loop device"
+            return
+        if not localcopy.whole_in_cache(self.index, self.cache):
+            return
+        self._copy_state = "copying"
+        self._copy_thread = threading.Thread(
+            target=self._copy, name="lazyblock-local-copy", daemon=True
+        )
+        self._copy_thread.start()
+
+    def _copy(self) -> None:
+        assert self.index is not None and self.cache is not None
+        name = f"{self.index_digest.removeprefix('sha256:')[:16]}-{os.getpid()}"
+        try:
+            made = localcopy.make(self.index, self.cache, self._loop_device, name)
+        except localcopy.LocalCopyError as e:
+            log.warning("%s; the mount goes on through FUSE", e)
+            self._copy_state = "waiting"  # tried again when the mount is next quiet
+            return
+        except Exception as e:  # a thread's failure must not take the mount down
+            log.exception("local copy of %s failed", self.mountpoint)
+            self._copy_state = f"failed: {e}"
+            return
+        if made is None:
+            log.info("no room in the cache for a local copy of %s", self.mountpoint)
+            self._copy_state = "no room"
+            return
+        self._local_copy, self._copy_seconds = str(made.path), made.seconds
+        self._copy_state = "done"
+        self._save(self.record.phase if self.record else "ready")
+        log.info(
+            "%s: the loop device %s reads the local copy %s (%d bytes, made in %.1fs)",
+            self.mountpoint, self._loop_device, made.path, made.bytes, made.seconds,
+        )  # fmt: skip
 
     def unmount(self) -> None:
         """Take erofs (lazily if busy) and then FUSE off their mount points."""
@@ -486,6 +539,7 @@ class MountServer:
             holder_start=self._holder_start,
             fuse_init=self.fuse_init,
             servers=self.servers,
+            local_copy=self._local_copy,
         )
         self.record.save(self.dir)
 
@@ -501,6 +555,11 @@ class MountServer:
             "pid": os.getpid(),
             "backing": self._backing,
             "loop_device": self._loop_device,
+            "local_copy": {
+                "state": self._copy_state,
+                "path": self._local_copy,
+                "seconds": round(self._copy_seconds, 3),
+            },
             "uptime": time.time() - self.started,
             "mount_seconds": self._mount_seconds,
             "launch": self.launch,
@@ -571,6 +630,22 @@ class MountServer:
 
 # Blob sizes asked for at once while mounting (a registry HEAD each).
 BLOB_SIZE_REQUESTS = 8
+
+
+class _Quiet:
+    """Whether a counter of work has stood still for ``quiet`` seconds (from the first look,
+    for a mount that does nothing at all)."""
+
+    def __init__(self, quiet: float) -> None:
+        self.quiet = quiet
+        self._work: int | None = None
+        self._since = 0.0
+
+    def since(self, work: int, now: float) -> bool:
+        if work != self._work:
+            self._work, self._since = work, now
+            return False
+        return now - self._since >= self.quiet
 
 
 def blob_sizes_of(store: Store, index: Index) -> dict[str, int]:

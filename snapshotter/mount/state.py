@@ -70,6 +70,7 @@ class MountRecord:
     holder_start: int = 0
     fuse_init: dict[str, int] = field(default_factory=dict)  # what the kernel's INIT settled
     servers: int = 1  # the servers this mount has had (1 + handovers)
+    local_copy: str = ""  # the image's copy its loop device reads (snapshotter.mount.localcopy)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

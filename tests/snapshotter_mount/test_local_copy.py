@@ -1,0 +1,137 @@
+"""``mount.local_copy``: a mount on a loop device whose image is whole in the cache has the
+loop device read a verified copy of the image, past FUSE (``snapshotter.mount.localcopy``).
+
+Real mounts, real loop devices: the copy is made once the mount is quiet, the loop device's
+backing file is the copy, every file reads back right with the mount server answering no
+read, the cache's count holds the copy while it is used and drops it at unmount; with no
+room under the cap there is no copy and the mount goes on through FUSE; a copy that no loop
+device reads is removed by the next rescan."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mountimages as images
+import pytest
+from mounthelp import drop_caches
+from ocibuild import TarEntry, make_layer_tar
+
+from snapshotter.cache.sectors import LAYOUT_VERSION, LOCAL_DIR, SectorCache, shared_usage
+from snapshotter.mount import api, kernel
+
+pytestmark = [pytest.mark.root, pytest.mark.integration]
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """An image of incompressible files, 24 MiB in all: (ref, path -> sha256)."""
+    rng = random.Random(7)
+    files = {f"data/f{i}.bin": rng.randbytes(3 * MIB) for i in range(8)}
+    layer = make_layer_tar(
+        [TarEntry("data/", type="dir")] + [TarEntry(p, data=d) for p, d in files.items()],
+        compression=None,
+    )
+    root = tmp_path_factory.mktemp("localcopy")
+    layout = images.build_layout(root, [layer])
+    ref = str(root / "store" / "img:v1")
+    images.convert(layout, "v1", ref)
+    return ref, {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
+
+
+def _read_all(mnt: Path, expected: dict[str, str]) -> None:
+    for path, digest in expected.items():
+        assert hashlib.sha256((mnt / path).read_bytes()).hexdigest() == digest, path
+
+
+def _wait_copy(mnt: Path, cfg: Any, until: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = api.stats(mnt, cfg)
+        if stats["local_copy"]["state"] == until:
+            return stats
+        assert time.monotonic() < deadline, f"local copy: {stats['local_copy']}"
+        time.sleep(0.2)
+
+
+def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> None:  # noqa: ANN001
+    ref, expected = image
+    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    info = api.mount(ref, mnt, cfg)
+    stats = _wait_copy(mnt, cfg, "done")
+    copy = Path(stats["local_copy"]["path"])
+    assert copy.parent == cfg.cache_dir / LAYOUT_VERSION / LOCAL_DIR
+    assert copy.stat().st_size == stats["image"]["size"]
+    assert kernel.loop_backing_file(info.loop_device) == str(copy)
+    # The directory's count holds the entries and the copy, as the disk does.
+    entries = sum(
+        f.stat().st_size
+        for f in (cfg.cache_dir / LAYOUT_VERSION).glob("??/*")
+        if f.parent.name != LOCAL_DIR
+    )
+    assert shared_usage(cfg.cache_dir) == entries + copy.stat().st_size
+
+    before = stats["fetch"]["read_bytes"]
+    drop_caches()
+    _read_all(mnt, expected)
+    after = api.stats(mnt, cfg)
+    assert after["fetch"]["read_bytes"] == before, "the mount server answered reads"
+    assert api.list_mounts(cfg)[0].mountpoint == mnt
+
+    api.unmount(mnt, cfg)
+    assert not copy.exists()
+    assert shared_usage(cfg.cache_dir) == entries
+
+
+def test_no_room_for_a_copy_leaves_the_mount_on_fuse(config, image, tmp_path) -> None:  # noqa: ANN001
+    ref, expected = image
+    # Room for the image's entries (24 MiB of files in seven 4 MiB sectors and their
+    # trailers), and the prefetch may fill it, but there is none for a copy as well.
+    cfg = replace(
+        config, backing="loop", local_copy=True, prefetch=True, background_fetch=True,
+        cache_size=40 * MIB, prefetch_max_cache_fraction=1.0,
+    )  # fmt: skip
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    info = api.mount(ref, mnt, cfg)
+    stats = _wait_copy(mnt, cfg, "no room")
+    assert stats["local_copy"]["path"] == ""
+    assert not any((cfg.cache_dir / LAYOUT_VERSION / LOCAL_DIR).iterdir())
+    assert kernel.loop_backing_file(info.loop_device).startswith(str(info.state_dir))
+    # Pinned while the room was sought: none of the image's own entries was evicted for it.
+    assert stats["cache"]["evictions"] == 0
+    before = stats["fetch"]["read_bytes"]
+    drop_caches()
+    _read_all(mnt, expected)
+    assert api.stats(mnt, cfg)["fetch"]["read_bytes"] > before
+
+
+def test_a_rescan_removes_a_copy_that_no_loop_device_reads(tmp_path) -> None:  # noqa: ANN001
+    cache = SectorCache(tmp_path / "cache", 64 * MIB)
+    res = cache.reserve_copy(8 * MIB)
+    assert res is not None
+    assert shared_usage(tmp_path / "cache") == 8 * MIB
+    left = cache.install_copy(res, "left-behind")
+    assert left.exists() and shared_usage(tmp_path / "cache") == 8 * MIB
+    # A crash left it: no loop device reads it, so the next cache opened there removes it.
+    SectorCache(tmp_path / "cache", 64 * MIB)
+    assert not left.exists()
+    assert shared_usage(tmp_path / "cache") == 0
+
+
+def test_no_copy_for_a_file_backed_mount(config, image, tmp_path) -> None:  # noqa: ANN001
+    ref, _ = image
+    cfg = replace(config, backing="file", local_copy=True, prefetch=True, background_fetch=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    api.mount(ref, mnt, cfg)
+    stats = _wait_copy(mnt, cfg, "not on a loop device")
+    assert stats["local_copy"]["path"] == ""
