@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagetool.format import Index, sector_checksum
-from snapshotter.cache.sectors import SectorCache
+from snapshotter.cache.sectors import SectorCache, view_room
 from snapshotter.errors import SnapshotterError
 from snapshotter.mount import kernel
 
@@ -110,17 +111,38 @@ def _make(
 
 
 def _write(index: Index, cache: SectorCache, fd: int) -> None:
-    for number, sector in enumerate(index.sectors):
-        if sector.is_zero:
-            continue
-        offset, size = index.sector_span(number)
-        data = cache.read(sector.checksum, 0, None, size=size)
-        if data is None:
-            raise LocalCopyError(f"sector {number} is no longer in the cache")
-        view = memoryview(data)
-        done = 0
-        while done < size:
-            done += os.pwrite(fd, view[done:], offset + done)
+    """Each sector from the cache (verified as every cache read is) to its offset in the
+    copy: read past the page cache into one aligned buffer and written from it, with direct
+    I/O where the file system allows it (a copy of every page through the page cache, and
+    4 MiB of new memory per sector, cost a 2 GiB copy seconds of CPU more)."""
+    _direct(fd)
+    buf = mmap.mmap(-1, view_room(index.sector_size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        with memoryview(buf) as scratch:
+            for number, sector in enumerate(index.sectors):
+                if sector.is_zero:
+                    continue
+                offset, size = index.sector_span(number)
+                got = cache.read_view(sector.checksum, 0, size, scratch, size=size)
+                if got is None:
+                    raise LocalCopyError(f"sector {number} is no longer in the cache")
+                with got[0] as view:
+                    done = 0
+                    while done < size:
+                        done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        buf.close()
+
+
+def _direct(fd: int) -> bool:
+    """Turn on direct I/O for the open file ``fd``; whether the file system allows it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 def _check(index: Index, path: Path) -> None:

@@ -65,12 +65,12 @@ from imagetool.format import Index
 from imagetool.stores import open_store, parse_ref
 from imagetool.stores.base import Store
 from snapshotter.cache import indexes as indexcache
-from snapshotter.cache.sectors import SectorCache
+from snapshotter.cache.sectors import SectorCache, remove_copy
 from snapshotter.config import MountConfig
 from snapshotter.datapath.fetcher import SectorFetcher
 from snapshotter.datapath.prefetch import Prefetcher
 from snapshotter.datapath.reader import BlockReader
-from snapshotter.errors import SnapshotterError
+from snapshotter.errors import CacheError, SnapshotterError
 from snapshotter.metrics import MountMetrics
 from snapshotter.mount import fuse, handover, holder, kernel, localcopy, memory, state
 from snapshotter.mount.control import ControlServer
@@ -514,6 +514,9 @@ class MountServer:
             self.record is None or self.record.pid == os.getpid()
         ):
             holder.done(self.dir)
+            if self._local_copy:  # the loop device went with erofs
+                with contextlib.suppress(OSError, CacheError):
+                    remove_copy(self.config.cache_dir, self._local_copy)
             state.remove_mount_dir(self.dir)
 
     # --- state and control ----------------------------------------------------------------

@@ -10,7 +10,9 @@ device reads is removed by the next rescan."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -88,6 +90,23 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
 
     api.unmount(mnt, cfg)
     assert not copy.exists()
+    assert shared_usage(cfg.cache_dir) == entries
+
+
+def test_a_server_stopped_by_a_signal_removes_its_copy(config, image, tmp_path) -> None:  # noqa: ANN001
+    ref, expected = image
+    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    info = api.mount(ref, mnt, cfg)
+    copy = Path(_wait_copy(mnt, cfg, "done")["local_copy"]["path"])
+    _read_all(mnt, expected)
+    os.kill(info.pid, signal.SIGTERM)  # the server unmounts erofs and FUSE itself
+    deadline = time.monotonic() + 30
+    while copy.exists() or kernel.is_mountpoint(mnt):
+        assert time.monotonic() < deadline, "the copy outlived its mount"
+        time.sleep(0.1)
+    entries = sum(f.stat().st_size for f in (cfg.cache_dir / LAYOUT_VERSION).glob("??/*"))
     assert shared_usage(cfg.cache_dir) == entries
 
 
