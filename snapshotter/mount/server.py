@@ -320,6 +320,10 @@ class MountServer:
             phases.done("adopt")
             retired = handover.retire(self.dir, record)
             phases.done("retire")
+            latest = state.MountRecord.load(self.dir)
+            if latest is not None and latest.local_copy and not self._local_copy:
+                # The predecessor finished a copy after this server read the record.
+                self._local_copy, self._copy_state = latest.local_copy, "done"
             try:
                 self._fuse.resend()
             except FuseError as e:
@@ -450,6 +454,8 @@ class MountServer:
         in a thread of its own, if it is whole in the cache and the mount is on a loop
         device."""
         assert self.index is not None and self.cache is not None
+        if self.retiring.is_set():
+            return
         if self._backing != "loop" or not self._loop_device:
             self._copy_state = "not on a loop device"
             return
@@ -480,6 +486,11 @@ class MountServer:
             return
         self._local_copy, self._copy_seconds = str(made.path), made.seconds
         self._copy_state = "done"
+        if self.retiring.is_set():
+            # The successor's record is the mount's now; it makes a copy of its own, and a
+            # rescan removes this one once the loop device has let go of it.
+            log.info("retired while copying; %s is not recorded", made.path)
+            return
         self._save(self.record.phase if self.record else "ready")
         log.info(
             "%s: the loop device %s reads the local copy %s (%d bytes, made in %.1fs)",

@@ -110,6 +110,28 @@ def test_a_server_stopped_by_a_signal_removes_its_copy(config, image, tmp_path) 
     assert shared_usage(cfg.cache_dir) == entries
 
 
+def test_a_successor_server_keeps_the_copy(config, image, tmp_path) -> None:  # noqa: ANN001
+    """``snapshotter upgrade-mounts`` (``api.replace``): the new server takes the copy over
+    from the mount's record; the loop device reads it throughout; unmount removes it."""
+    ref, expected = image
+    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    old = api.mount(ref, mnt, cfg)
+    copy = _wait_copy(mnt, cfg, "done")["local_copy"]["path"]
+    new = api.replace(mnt, cfg)
+    assert new.pid != old.pid
+    stats = api.stats(mnt, cfg)
+    assert (stats["pid"], stats["local_copy"]["state"]) == (new.pid, "done")
+    assert stats["local_copy"]["path"] == copy
+    assert kernel.loop_backing_file(new.loop_device) == copy
+    drop_caches()
+    _read_all(mnt, expected)
+    assert api.stats(mnt, cfg)["fetch"]["read_bytes"] == stats["fetch"]["read_bytes"]
+    api.unmount(mnt, cfg)
+    assert not Path(copy).exists()
+
+
 def test_no_room_for_a_copy_leaves_the_mount_on_fuse(config, image, tmp_path) -> None:  # noqa: ANN001
     ref, expected = image
     # Room for the image's entries (24 MiB of files in seven 4 MiB sectors and their
