@@ -13,6 +13,11 @@ compares, per network preset, from an empty cache every time (``drop_caches`` be
     lazy-foreign  lazyblock, cold, image laid out with a profile recorded on *another* image
                   (``--foreign-profile FILE``; not in the default set): a stale or foreign
                   profile must not make a start slower than none
+    lazy-resident a second container of an image the node has pulled and still mounts (a
+                  pod restarted, or another replica on the node): the image pulled and run
+                  once untimed, its container gone, the page cache dropped, then run again;
+                  with ``--set mount.local_copy=true`` the run waits (untimed) for the mount's
+                  local copy first (``--via cri`` only; not in the default set)
     local         the image already unpacked by containerd: the floor
 
 How the node pulls and runs (``--via``, ``node.py``):
@@ -94,12 +99,15 @@ from benchmarks.coldstart.node import run_cmd as _run  # noqa: E402
 
 log = logging.getLogger("coldstart")
 
-SCENARIOS = ("full-pull", "lazy", "lazy-profile", "lazy-warm", "local", "lazy-foreign")
-DEFAULT_SCENARIOS = SCENARIOS[:-1]
-LAZY_SCENARIOS = ("lazy", "lazy-profile", "lazy-warm", "lazy-foreign")
+SCENARIOS = ("full-pull", "lazy", "lazy-profile", "lazy-warm", "local", "lazy-foreign",
+             "lazy-resident")  # fmt: skip
+DEFAULT_SCENARIOS = ("full-pull", "lazy", "lazy-profile", "lazy-warm", "local")
+LAZY_SCENARIOS = ("lazy", "lazy-profile", "lazy-warm", "lazy-foreign", "lazy-resident")
 # The image tag each lazy scenario runs (after the image's own tag).
 LAZY_TAG_SUFFIX = {"lazy": "", "lazy-profile": "-profile", "lazy-warm": "-profile",
-                   "lazy-foreign": "-foreign"}  # fmt: skip
+                   "lazy-foreign": "-foreign", "lazy-resident": "-profile"}  # fmt: skip
+# How long lazy-resident waits for the mount's local copy (mount.local_copy) to be made.
+LOCAL_COPY_WAIT_S = 600.0
 VIAS = ("cri", "ctr")  # how the node pulls and runs: see the module docstring
 # The issue's targets, checked on the preset they name.
 TARGET_PRESET = "1g-1ms"
@@ -999,6 +1007,8 @@ class Bench:
             self._use_overlay_node()
             if not self.ctrd.has_image(self.ref):
                 self.ctrd.pull(self.ref, self.cfg.run_timeout)
+        elif scenario == "lazy-resident":
+            self._resident_setup(self.img.tag + LAZY_TAG_SUFFIX[scenario])
         else:
             self._lazy_setup(prefetch=True, keep_cache=scenario == "lazy-warm")
         self.remote.check()
@@ -1015,6 +1025,10 @@ class Bench:
             ready = self._run_image(self.ctrd, self.ref)
         elif scenario == "local":
             ready = self._run_image(self.ctrd, self.ref)
+        elif scenario == "lazy-resident":
+            assert self.node is not None and self.lazy is not None
+            ready = self._run_image(self.node.ctrd, self._lazy_ref(scenario))
+            extra = {"snapshotter": _snapshotter_stats(self._resident_mount())}
         else:
             tag = self.img.tag + LAZY_TAG_SUFFIX[scenario]
             ready, phases, extra = self._lazy_timed(tag, prefetch=True, t0=t0)
@@ -1046,6 +1060,36 @@ class Bench:
         log.info("%s: ready in %.2fs, %s from the registry, workload read %s", scenario,
                  seconds, _mb(traffic.body_bytes), _mb(run["read_bytes"]))  # fmt: skip
         return run
+
+    def _lazy_ref(self, scenario: str) -> str:
+        assert self.lazy is not None
+        return self.lazy.ref(self.img.tag + LAZY_TAG_SUFFIX[scenario]).removeprefix("docker://")
+
+    def _resident_mount(self) -> dict[str, Any]:
+        assert self.node is not None
+        mounts = [m for m in self.node.daemon.mounts() if m.get("stats")]
+        if len(mounts) != 1:
+            raise BenchError(f"expected the image's one lazy mount, found {len(mounts)}")
+        return mounts[0]["stats"]
+
+    def _resident_setup(self, tag: str) -> None:
+        """Untimed, for lazy-resident: the image pulled and run once on a node with a warm
+        sector cache, the container gone, the mount kept; its local copy made, when the
+        node's configuration asks for one."""
+        if self.node is None:
+            raise BenchError("lazy-resident runs on the CRI node (--via cri)")
+        self._lazy_setup(prefetch=True, keep_cache=True)
+        self._lazy_timed(tag, prefetch=True)
+        deadline = time.monotonic() + LOCAL_COPY_WAIT_S
+        while (copy := self._resident_mount().get("local_copy", {})).get("state") in (
+            "waiting",
+            "copying",
+        ):
+            if time.monotonic() > deadline:
+                raise BenchError(f"the mount's local copy was not made: {copy}")
+            time.sleep(0.5)
+        if copy.get("state") not in (None, "off", "done"):
+            raise BenchError(f"the mount's local copy was not made: {copy}")
 
     def _lazy_timed(
         self, tag: str, prefetch: bool, t0: float | None = None, record_profile: Path | None = None
@@ -1203,6 +1247,7 @@ def _snapshotter_stats(stats: dict[str, Any]) -> dict[str, Any]:
         # seconds readers waited on the network: for sectors in flight, for ones not asked for
         "stall_late_s": fetch.get("stall_late_seconds"),
         "stall_missing_s": fetch.get("stall_missing_seconds"),
+        "local_copy": stats.get("local_copy"),
     }
 
 
