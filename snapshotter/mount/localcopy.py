@@ -22,6 +22,14 @@ fetch for ``QUIET_SECONDS``) with its image whole in the cache gets a copy:
 5. it is moved to the cache's ``local/`` and the mount's record names it. ``umount`` deletes
    it; a cache rescan removes one that no loop device reads any more (after a crash).
 
+Why the loop device and not FUSE passthrough (``FOPEN_PASSTHROUGH``, in this kernel). A
+passthrough is chosen when a file is opened, and the loop device (or a file-backed erofs)
+opens the FUSE file once, at the mount, when the image is not in the cache yet; the kernel
+does not mix passthrough and cached opens of one inode, and nothing reopens the file later.
+``LOOP_CHANGE_FD`` switches a live, read-only loop device to another file of the same size,
+under a mounted file system. A file-backed erofs mount cannot be switched: it goes on
+through FUSE.
+
 What it trades, and why it is off by default. The copy's bytes were verified once, when they
 were written and read back; after the switch the kernel reads them as it reads an unpacked
 layer of a full pull, with no check per read (this kernel has no fs-verity, which would
