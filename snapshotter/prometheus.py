@@ -43,7 +43,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from snapshotter.cache.sectors import cache_usage
+from snapshotter.cache.sectors import cache_usage, local_copies
 from snapshotter.config import MountConfig
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import REMOUNT_FAILURES_FILE, read_counts
@@ -159,9 +159,16 @@ def render(all_stats: list[dict[str, Any]], config: MountConfig) -> Iterator[Met
     yield from _sources(all_stats)
 
     entries, used = cache_usage(config.cache_dir)
+    _, copies = local_copies(config.cache_dir)
     for name, doc, value in (
         ("cache_bytes", "Bytes held by the node's sector cache.", used),
         ("cache_entries", "Sectors held by the node's sector cache.", entries),
+        (
+            "cache_local_copy_bytes",
+            "Bytes of whole images copied out of the sector cache "
+            "for loop devices to read (mount.local_copy), within its cap.",
+            copies,
+        ),
         ("cache_capacity_bytes", "The sector cache's size cap.", config.cache_size),
     ):
         g = GaugeMetricFamily(p + name, doc)

@@ -1227,6 +1227,17 @@ def shared_usage(root: os.PathLike[str] | str) -> int | None:
     return read_usage(os.path.join(root, LAYOUT_VERSION, USAGE_FILE))
 
 
+def local_copies(root: os.PathLike[str] | str) -> tuple[int, int]:
+    """(copies, bytes) of the whole images copied out of a cache directory (``local/``)."""
+    count = total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(os.path.join(root, LAYOUT_VERSION, LOCAL_DIR)):
+            with contextlib.suppress(OSError):
+                total += entry.stat().st_size
+                count += 1
+    return count, total
+
+
 def cache_usage(root: os.PathLike[str] | str) -> tuple[int, int]:
     """(entries, bytes) in a cache directory, counted on disk (for status and metrics)."""
     entries = cache_entries(root)

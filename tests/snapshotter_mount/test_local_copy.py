@@ -23,6 +23,7 @@ import pytest
 from mounthelp import drop_caches
 from ocibuild import TarEntry, make_layer_tar
 
+from snapshotter import prometheus
 from snapshotter.cache.sectors import LAYOUT_VERSION, LOCAL_DIR, SectorCache, shared_usage
 from snapshotter.mount import api, kernel
 
@@ -80,6 +81,8 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
         if f.parent.name != LOCAL_DIR
     )
     assert shared_usage(cfg.cache_dir) == entries + copy.stat().st_size
+    metric = f"lazyblock_cache_local_copy_bytes {float(copy.stat().st_size)}"
+    assert metric in prometheus.exposition(cfg).decode()
 
     before = stats["fetch"]["read_bytes"]
     drop_caches()
