@@ -81,8 +81,12 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
         if f.parent.name != LOCAL_DIR
     )
     assert shared_usage(cfg.cache_dir) == entries + copy.stat().st_size
-    metric = f"lazyblock_cache_local_copy_bytes {float(copy.stat().st_size)}"
-    assert metric in prometheus.exposition(cfg).decode()
+    gauge = next(
+        line.split()[1]
+        for line in prometheus.exposition(cfg).decode().splitlines()
+        if line.startswith("lazyblock_cache_local_copy_bytes ")
+    )
+    assert float(gauge) == copy.stat().st_size
 
     before = stats["fetch"]["read_bytes"]
     drop_caches()
