@@ -1247,7 +1247,8 @@ def _snapshotter_stats(stats: dict[str, Any]) -> dict[str, Any]:
         # seconds readers waited on the network: for sectors in flight, for ones not asked for
         "stall_late_s": fetch.get("stall_late_seconds"),
         "stall_missing_s": fetch.get("stall_missing_seconds"),
-        "local_copy": stats.get("local_copy"),
+        # its state and how long it took (not its path: results name no host path)
+        "local_copy": {k: v for k, v in (stats.get("local_copy") or {}).items() if k != "path"},
     }
 
 
