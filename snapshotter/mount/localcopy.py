@@ -67,7 +67,13 @@ CHECK_INTERVAL = 5.0
 
 class LocalCopyError(SnapshotterError):
     """The copy could not be made (a sector left the cache, a read-back mismatch, the
-    kernel refused the switch); the mount goes on as before."""
+    kernel refused the switch); the mount goes on as before. ``again``: worth another try
+    once the image is whole in the cache again (a sector was evicted meanwhile); the other
+    causes would fail every try, each a whole image's copy."""
+
+    def __init__(self, message: str, again: bool = False) -> None:
+        super().__init__(message)
+        self.again = again
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ def _write(index: Index, cache: SectorCache, fd: int) -> None:
                 offset, size = index.sector_span(number)
                 got = cache.read_view(sector.checksum, 0, size, scratch, size=size)
                 if got is None:
-                    raise LocalCopyError(f"sector {number} is no longer in the cache")
+                    raise LocalCopyError(f"sector {number} is no longer in the cache", again=True)
                 with got[0] as view:
                     done = 0
                     while done < size:

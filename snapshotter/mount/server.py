@@ -474,7 +474,8 @@ class MountServer:
             made = localcopy.make(self.index, self.cache, self._loop_device, name)
         except localcopy.LocalCopyError as e:
             log.warning("%s; the mount goes on through FUSE", e)
-            self._copy_state = "waiting"  # tried again when the mount is next quiet
+            # Tried again when the mount is next quiet and whole in the cache, if that can help.
+            self._copy_state = "waiting" if e.again else f"failed: {e}"
             return
         except Exception as e:  # a thread's failure must not take the mount down
             log.exception("local copy of %s failed", self.mountpoint)

@@ -13,6 +13,7 @@ import hashlib
 import os
 import random
 import signal
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +24,10 @@ import pytest
 from mounthelp import drop_caches
 from ocibuild import TarEntry, make_layer_tar
 
+from imagetool.image import open_image
 from snapshotter import prometheus
 from snapshotter.cache.sectors import LAYOUT_VERSION, LOCAL_DIR, SectorCache, shared_usage
-from snapshotter.mount import api, kernel
+from snapshotter.mount import api, kernel, localcopy
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
 
@@ -160,6 +162,41 @@ def test_no_room_for_a_copy_leaves_the_mount_on_fuse(config, image, tmp_path) ->
     drop_caches()
     _read_all(mnt, expected)
     assert api.stats(mnt, cfg)["fetch"]["read_bytes"] > before
+
+
+def test_a_switch_the_kernel_refuses_gives_the_room_back(config, image, tmp_path) -> None:  # noqa: ANN001
+    """``LOOP_CHANGE_FD`` to a loop device of another size: the kernel refuses, the copy is
+    given up for good (another try would copy the whole image again to the same end), its
+    file and its room go back, the entries stay."""
+    ref, expected = image
+    cfg = replace(config, prefetch=True, background_fetch=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    api.mount(ref, mnt, cfg)
+    _read_all(mnt, expected)
+    with open_image(ref) as img:
+        index = img.index
+    cache = SectorCache(cfg.cache_dir, cfg.cache_size)
+    deadline = time.monotonic() + 30
+    while not localcopy.whole_in_cache(index, cache):  # the background fetch ends
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    before = shared_usage(cfg.cache_dir)
+    other = tmp_path / "other.img"
+    other.write_bytes(bytes(1 << 20))
+    dev = subprocess.run(["losetup", "--find", "--show", "--read-only", str(other)],
+                         check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    try:
+        with pytest.raises(localcopy.LocalCopyError, match="LOOP_CHANGE_FD") as failed:
+            localcopy.make(index, cache, dev, "refused")
+        assert not failed.value.again
+        assert kernel.loop_backing_file(dev) == str(other)
+    finally:
+        subprocess.run(["losetup", "--detach", dev], check=False)
+    root = cfg.cache_dir / LAYOUT_VERSION
+    assert not any((root / "wip").iterdir()) and not any((root / LOCAL_DIR).iterdir())
+    assert shared_usage(cfg.cache_dir) == before
+    assert localcopy.whole_in_cache(index, cache)
 
 
 def test_a_rescan_removes_a_copy_that_no_loop_device_reads(tmp_path) -> None:  # noqa: ANN001
