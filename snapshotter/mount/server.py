@@ -140,7 +140,6 @@ class MountServer:
         self._local_copy = ""  # path of the image's copy the loop device reads, once made
         self._copy_state = "off" if not config.local_copy else "waiting"
         self._copy_seconds = 0.0
-        self._copy_thread: threading.Thread | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -462,10 +461,7 @@ class MountServer:
         if not localcopy.whole_in_cache(self.index, self.cache):
             return
         self._copy_state = "copying"
-        self._copy_thread = threading.Thread(
-            target=self._copy, name="lazyblock-local-copy", daemon=True
-        )
-        self._copy_thread.start()
+        threading.Thread(target=self._copy, name="lazyblock-local-copy", daemon=True).start()
 
     def _copy(self) -> None:
         assert self.index is not None and self.cache is not None
