@@ -198,7 +198,7 @@ def upgrade_mounts_cmd(
 @_config_options
 def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN001
     """Mounts, cache use and per-mount statistics."""
-    from snapshotter.cache.sectors import cache_usage
+    from snapshotter.cache.sectors import cache_usage, local_copies
     from snapshotter.mount import api
 
     mounts = []
@@ -213,17 +213,22 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 doc["stats_error"] = str(e)
         mounts.append(doc)
     entries, used = cache_usage(config.mount.cache_dir)
+    copies, copied = local_copies(config.mount.cache_dir)
     cache = {
         "dir": str(config.mount.cache_dir),
         "entries": entries,
         "bytes": used,
         "max_bytes": config.mount.cache_size,
+        "local_copies": copies,
+        "local_copy_bytes": copied,
     }
     if as_json:
         click.echo(json.dumps({"mounts": mounts, "cache": cache}, indent=2))
         return
     click.echo(f"cache {cache['dir']}: {entries} sectors, {format_size(used)} of "
-               f"{format_size(cache['max_bytes'])}")  # fmt: skip
+               f"{format_size(cache['max_bytes'])}"
+               + (f"; {copies} local cop{'y' if copies == 1 else 'ies'}, {format_size(copied)}"
+                  if copies else ""))  # fmt: skip
     if not mounts:
         click.echo("no mounts")
     for m in mounts:
@@ -259,6 +264,12 @@ def status(mountpoint: Path | None, as_json: bool, config) -> None:  # noqa: ANN
                 f"  stalled on the network: {f['stall_late_seconds']:.2f}s for sectors asked "
                 f"for too late, {f['stall_missing_seconds']:.2f}s for sectors not asked for"
             )
+            copy = s.get("local_copy") or {}
+            if copy.get("state", "off") != "off":
+                click.echo(
+                    f"  local copy: {copy['state']}"
+                    + (f", {copy['path']} (made in {copy['seconds']:.1f}s)" if copy["path"] else "")
+                )
             for src in s.get("sources", []):
                 backoff = src["backoff_seconds"]
                 click.echo(

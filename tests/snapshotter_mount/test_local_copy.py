@@ -21,7 +21,7 @@ from typing import Any
 
 import mountimages as images
 import pytest
-from mounthelp import drop_caches
+from mounthelp import drop_caches, snapshotter
 from ocibuild import TarEntry, make_layer_tar
 
 from imagetool.image import open_image
@@ -89,6 +89,10 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
         if line.startswith("lazyblock_cache_local_copy_bytes ")
     )
     assert float(gauge) == copy.stat().st_size
+
+    dirs = ["--state-dir", str(cfg.state_dir), "--cache-dir", str(cfg.cache_dir)]
+    shown = snapshotter("status", *dirs).stdout
+    assert f"local copy: done, {copy}" in shown and "1 local copy," in shown, shown
 
     before = stats["fetch"]["read_bytes"]
     drop_caches()
