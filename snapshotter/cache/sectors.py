@@ -217,7 +217,7 @@ class _File:
                 os.close(self._buffered)
 
 
-class _Reservation:
+class Reservation:
     """Room taken for an entry being written: its file in ``wip/`` (allocated at the
     entry's size and counted), held open and ``flock``ed until it is installed or given
     back, so that a rescan can tell it from one whose writer died."""
@@ -537,7 +537,7 @@ class SectorCache:
         self.metrics.puts.inc()
         return True
 
-    def _reserve(self, total: int) -> _Reservation | None:
+    def _reserve(self, total: int) -> Reservation | None:
         """Make room for an entry of ``total`` bytes, create its file in ``wip/`` at its full
         size, lock it and count it, in this process and in the directory; None when there
         is no room among the entries this process knows. Under ``_changing``, so no rescan
@@ -565,7 +565,7 @@ class SectorCache:
         self._shared.add(total)
         self._usage += total
         self._reserved += total
-        return _Reservation(Path(name), fd, total)
+        return Reservation(Path(name), fd, total)
 
     @staticmethod
     def _allocate(fd: int, size: int) -> None:
@@ -579,7 +579,7 @@ class SectorCache:
                 raise
             os.ftruncate(fd, size)
 
-    def _release(self, res: _Reservation) -> None:
+    def _release(self, res: Reservation) -> None:
         """Give up a reservation (``_reserve``): its file, its lock and its count. Under
         ``_changing``."""
         _unlink(res.path)
@@ -648,7 +648,7 @@ class SectorCache:
 
     # --- whole images copied out (``snapshotter.mount.localcopy``) ------------------------
 
-    def reserve_copy(self, size: int) -> _Reservation | None:
+    def reserve_copy(self, size: int) -> Reservation | None:
         """Room for a file of ``size`` bytes (a whole image's copy), made as for an entry:
         least recently used entries evicted, the file created in ``wip/`` at its full size,
         counted against the cap and locked by this process until ``install_copy`` or
@@ -656,7 +656,7 @@ class SectorCache:
         with self._changing():
             return self._reserve(size)
 
-    def install_copy(self, res: _Reservation, name: str) -> Path:
+    def install_copy(self, res: Reservation, name: str) -> Path:
         """Move a reserved copy, which a loop device now reads, to ``local/<name>``. It stays
         counted in the directory's usage until ``remove_copy``, or until a rescan finds that
         no loop device holds it any more."""
@@ -668,7 +668,12 @@ class SectorCache:
             self._reserved -= res.total
         return target
 
-    def release_copy(self, res: _Reservation) -> None:
+    def write_copy(self, res: Reservation, view: memoryview, offset: int) -> None:
+        """Write ``view`` (page-aligned, whole pages) at ``offset`` of a reserved copy, as
+        entries are written: with direct I/O where the file system takes it."""
+        self._write_entry(res.fd, view, offset)
+
+    def release_copy(self, res: Reservation) -> None:
         """Give up a reserved copy (it could not be made): its file and its room."""
         with self._changing():
             self._release(res)
@@ -971,7 +976,7 @@ class SectorCache:
     # --- internals: writes ----------------------------------------------------------------
 
     def _write_tmp(
-        self, res: _Reservation, data: bytes | memoryview | EntryBuffer, trailer: bytes
+        self, res: Reservation, data: bytes | memoryview | EntryBuffer, trailer: bytes
     ) -> None:
         """Write an entry file (``data``, zeros to a page boundary, ``trailer``) into its
         reserved file in ``wip/``. Not fsynced: see the module's docstring."""
@@ -993,20 +998,21 @@ class SectorCache:
                 view.release()
                 self._buffers.give(buf)
 
-    def _write_entry(self, fd: int, view: memoryview) -> None:
-        """All of ``view`` (a whole entry) to the reserved file ``fd`` from its start: with
-        direct I/O where the file system takes it."""
-        if not self._write_direct(fd, view):
-            _write_all(fd, view)
+    def _write_entry(self, fd: int, view: memoryview, offset: int = 0) -> None:
+        """All of ``view`` (a whole entry, or a sector of a copy) to the reserved file ``fd``
+        at ``offset``: with direct I/O where the file system takes it."""
+        if not self._write_direct(fd, view, offset):
+            _write_all(fd, view, offset)
 
-    def _write_direct(self, fd: int, view: memoryview) -> bool:
-        """Write ``view`` (page-aligned, whole pages) to the reserved file ``fd`` with
-        O_DIRECT; False (nothing written) where the file system will not."""
+    def _write_direct(self, fd: int, view: memoryview, offset: int) -> bool:
+        """Write ``view`` (page-aligned, whole pages) to the reserved file ``fd`` at
+        ``offset`` with O_DIRECT; False where the file system will not (then what it wrote
+        is written again)."""
         if not self._direct_write:
             return False
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-            _write_all(fd, view)
+            _write_all(fd, view, offset)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -1015,7 +1021,6 @@ class SectorCache:
             self._direct_write = False
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            os.lseek(fd, 0, os.SEEK_SET)
             return False
         return True
 
@@ -1112,11 +1117,11 @@ class SectorCache:
         return freed
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` at the file's current position."""
+def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
+    """Write all of ``view`` at ``offset`` of the file."""
     done = 0
     while done < len(view):
-        written = os.write(fd, view[done:])
+        written = os.pwrite(fd, view[done:], offset + done)
         if written <= 0:
             raise OSError(errno.EIO, f"short write ({written} bytes)")
         done += written

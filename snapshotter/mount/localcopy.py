@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagetool.format import Index, sector_checksum
-from snapshotter.cache.sectors import SectorCache, view_room
+from snapshotter.cache.sectors import Reservation, SectorCache, view_room
 from snapshotter.errors import SnapshotterError
 from snapshotter.mount import kernel
 
@@ -105,7 +104,7 @@ def _make(
     if res is None:
         return None
     try:
-        _write(index, cache, res.fd)
+        _write(index, cache, res)
         os.fdatasync(res.fd)
         with contextlib.suppress(OSError):
             os.posix_fadvise(res.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -125,12 +124,11 @@ def _make(
     return LocalCopy(path, index.image_size, time.monotonic() - started)
 
 
-def _write(index: Index, cache: SectorCache, fd: int) -> None:
+def _write(index: Index, cache: SectorCache, res: Reservation) -> None:
     """Each sector from the cache (verified as every cache read is) to its offset in the
     copy: read past the page cache into one aligned buffer and written from it, with direct
     I/O where the file system allows it (a copy of every page through the page cache, and
     4 MiB of new memory per sector, cost a 2 GiB copy seconds of CPU more)."""
-    _direct(fd)
     buf = mmap.mmap(-1, view_room(index.sector_size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with memoryview(buf) as scratch:
@@ -142,22 +140,9 @@ def _write(index: Index, cache: SectorCache, fd: int) -> None:
                 if got is None:
                     raise LocalCopyError(f"sector {number} is no longer in the cache", again=True)
                 with got[0] as view:
-                    done = 0
-                    while done < size:
-                        done += os.pwrite(fd, view[done:], offset + done)
+                    cache.write_copy(res, view, offset)
     finally:
         buf.close()
-
-
-def _direct(fd: int) -> bool:
-    """Turn on direct I/O for the open file ``fd``; whether the file system allows it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return False
-    return True
 
 
 def _check(index: Index, path: Path) -> None:
