@@ -65,12 +65,23 @@ def _wait_copy(mnt: Path, cfg: Any, until: str, timeout: float = 60.0) -> dict[s
         time.sleep(0.2)
 
 
-def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> None:  # noqa: ANN001
-    ref, expected = image
-    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
+def _mount(
+    ref: str, config: Any, tmp_path: Path, **settings: Any
+) -> tuple[Any, Path, api.MountInfo]:
+    """Mount ``ref`` at ``tmp_path/mnt``, the whole image fetched in the background, with
+    ``settings`` (default: on a loop device, with a local copy): (config, mountpoint, info)."""
+    cfg = replace(
+        config, **{"backing": "loop", "local_copy": True, "prefetch": True,
+                   "background_fetch": True, **settings},
+    )  # fmt: skip
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    info = api.mount(ref, mnt, cfg)
+    return cfg, mnt, api.mount(ref, mnt, cfg)
+
+
+def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> None:  # noqa: ANN001
+    ref, expected = image
+    cfg, mnt, info = _mount(ref, config, tmp_path)
     stats = _wait_copy(mnt, cfg, "done")
     copy = Path(stats["local_copy"]["path"])
     assert copy.parent == cfg.cache_dir / LAYOUT_VERSION / LOCAL_DIR
@@ -108,10 +119,7 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
 
 def test_a_server_stopped_by_a_signal_removes_its_copy(config, image, tmp_path) -> None:  # noqa: ANN001
     ref, expected = image
-    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    info = api.mount(ref, mnt, cfg)
+    cfg, mnt, info = _mount(ref, config, tmp_path)
     copy = Path(_wait_copy(mnt, cfg, "done")["local_copy"]["path"])
     _read_all(mnt, expected)
     os.kill(info.pid, signal.SIGTERM)  # the server unmounts erofs and FUSE itself
@@ -127,10 +135,7 @@ def test_a_successor_server_keeps_the_copy(config, image, tmp_path) -> None:  # 
     """``snapshotter upgrade-mounts`` (``api.replace``): the new server takes the copy over
     from the mount's record; the loop device reads it throughout; unmount removes it."""
     ref, expected = image
-    cfg = replace(config, backing="loop", local_copy=True, prefetch=True, background_fetch=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    old = api.mount(ref, mnt, cfg)
+    cfg, mnt, old = _mount(ref, config, tmp_path)
     copy = _wait_copy(mnt, cfg, "done")["local_copy"]["path"]
     new = api.replace(mnt, cfg)
     assert new.pid != old.pid
@@ -149,13 +154,9 @@ def test_no_room_for_a_copy_leaves_the_mount_on_fuse(config, image, tmp_path) ->
     ref, expected = image
     # Room for the image's entries (24 MiB of files in seven 4 MiB sectors and their
     # trailers), and the prefetch may fill it, but there is none for a copy as well.
-    cfg = replace(
-        config, backing="loop", local_copy=True, prefetch=True, background_fetch=True,
-        cache_size=40 * MIB, prefetch_max_cache_fraction=1.0,
-    )  # fmt: skip
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    info = api.mount(ref, mnt, cfg)
+    cfg, mnt, info = _mount(
+        ref, config, tmp_path, cache_size=40 * MIB, prefetch_max_cache_fraction=1.0
+    )
     stats = _wait_copy(mnt, cfg, "no room")
     assert stats["local_copy"]["path"] == ""
     assert not any((cfg.cache_dir / LAYOUT_VERSION / LOCAL_DIR).iterdir())
@@ -173,10 +174,7 @@ def test_a_switch_the_kernel_refuses_gives_the_room_back(config, image, tmp_path
     given up for good (another try would copy the whole image again to the same end), its
     file and its room go back, the entries stay."""
     ref, expected = image
-    cfg = replace(config, prefetch=True, background_fetch=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    api.mount(ref, mnt, cfg)
+    cfg, mnt, _ = _mount(ref, config, tmp_path, backing=config.backing, local_copy=False)
     _read_all(mnt, expected)
     with open_image(ref) as img:
         index = img.index
@@ -218,9 +216,6 @@ def test_a_rescan_removes_a_copy_that_no_loop_device_reads(tmp_path) -> None:  #
 
 def test_no_copy_for_a_file_backed_mount(config, image, tmp_path) -> None:  # noqa: ANN001
     ref, _ = image
-    cfg = replace(config, backing="file", local_copy=True, prefetch=True, background_fetch=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    api.mount(ref, mnt, cfg)
+    cfg, mnt, _ = _mount(ref, config, tmp_path, backing="file")
     stats = _wait_copy(mnt, cfg, "not on a loop device")
     assert stats["local_copy"]["path"] == ""
