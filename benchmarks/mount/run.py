@@ -79,6 +79,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -440,11 +441,7 @@ def measure_local_copy(ref: str, mnt: Path, cfg: MountConfig) -> dict[str, objec
     try:
         server = api.mount(ref, mnt, cfg, fork_server=False)
         cpu = _process_cpu(server.pid)
-        started = time.monotonic()
-        while (state := api.stats(mnt, cfg)["local_copy"])["state"] != "done":
-            if state["state"] not in ("waiting", "copying") or time.monotonic() - started > 600:
-                raise RuntimeError(f"no local copy: {state}")
-            time.sleep(0.1)
+        state = wait_for_copy(lambda: api.stats(mnt, cfg)["local_copy"])
         out["local_copy_seconds"] = state["seconds"]
         out["local_copy_server_cpu_s"] = _process_cpu(server.pid) - cpu
         drop_caches()
@@ -454,6 +451,17 @@ def measure_local_copy(ref: str, mnt: Path, cfg: MountConfig) -> dict[str, objec
     finally:
         api.unmount(mnt, cfg)
     return out
+
+
+def wait_for_copy(status: Callable[[], dict[str, Any]], timeout: float = 600.0) -> dict[str, Any]:
+    """Poll a mount's ``local_copy`` status (``status()``) until its copy is made, and
+    return that status; RuntimeError if it will not be."""
+    deadline = time.monotonic() + timeout
+    while (state := status())["state"] != "done":
+        if state["state"] not in ("waiting", "copying") or time.monotonic() > deadline:
+            raise RuntimeError(f"no local copy: {state}")
+        time.sleep(0.1)
+    return state
 
 
 def back_memory(size: int) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import ROOT, drop_caches, make_layout, report  # noqa: E402
+from run import ROOT, drop_caches, make_layout, report, wait_for_copy  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -114,7 +114,7 @@ def through_mount(
     copy: dict[str, float] = {}
     try:
         if backing == "copy":
-            copy = wait_for_copy(checkout, dirs)
+            copy = copy_made(checkout, dirs)
             drop_caches()
         status = mount_status(checkout, dirs)
         pid, before = status["pid"], status["stats"]
@@ -134,13 +134,11 @@ def through_mount(
     }
 
 
-def wait_for_copy(checkout: str, dirs: list[str]) -> dict[str, float]:
-    """Wait for the mount's local copy; how long making it took, from the mount."""
+def copy_made(checkout: str, dirs: list[str]) -> dict[str, float]:
+    """Wait for the mount's local copy; how long making it took, and how long after the
+    mount it was in use."""
     started = time.monotonic()
-    while (state := mount_status(checkout, dirs)["stats"]["local_copy"])["state"] != "done":
-        if state["state"] not in ("waiting", "copying") or time.monotonic() - started > 600:
-            raise RuntimeError(f"no local copy: {state}")
-        time.sleep(0.2)
+    state = wait_for_copy(lambda: mount_status(checkout, dirs)["stats"]["local_copy"])
     return {"copy_seconds": state["seconds"], "copy_ready_after_s": time.monotonic() - started}
 
 
