@@ -127,6 +127,11 @@ import zstandard
 from imagetool.errors import ChecksumError, FormatError
 from imagetool.platforms import Platform
 
+try:  # decoding and hashing in one pass, compiled (setup.py); optional
+    from imagetool import _sectorcodec
+except ImportError:  # not built here: python-zstandard and python-xxhash do the same work
+    _sectorcodec = None  # type: ignore[assignment]
+
 FORMAT_VERSION = 2  # what the converter writes
 FORMAT_VERSIONS = (1, 2)  # what readers read
 FS_TYPE = "erofs"
@@ -250,6 +255,45 @@ def sha256_digest(data: bytes) -> str:
 
 def sector_checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
+
+
+# Bytes hashed both ways at a time by ``checksum_and_blocks``: well inside a core's L2.
+FUSED_CHUNK = 256 << 10
+
+
+def block_digests(data: bytes | memoryview, block: int) -> bytes:
+    """The xxh3-64 of each ``block``-byte block of ``data`` (the last one short),
+    concatenated (8 bytes each, as ``xxhash.xxh3_64_digest``)."""
+    if block <= 0:
+        raise ValueError(f"block size {block}")
+    if _sectorcodec is not None:
+        return _sectorcodec.hash_blocks(data, block, False)[1]
+    view = memoryview(data)
+    digest = xxhash.xxh3_64_digest
+    return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
+
+
+def checksum_and_blocks(data: bytes | memoryview, block: int) -> tuple[str, bytes]:
+    """``sector_checksum(data)``, and the xxh3-64 of each ``block``-byte block of ``data``
+    (the last one short), concatenated: what a reader that checks blocks of a sector on
+    their own needs (the node cache's entries). In one pass over memory: each chunk is
+    hashed both ways while it is in the CPU's cache, where hashing a 4 MiB sector twice
+    reads it twice from memory (a third less CPU for the two hashes, measured here)."""
+    if block <= 0:
+        raise ValueError(f"block size {block}")
+    if _sectorcodec is not None:
+        checksum, blocks = _sectorcodec.hash_blocks(data, block)
+        return checksum.hex(), blocks
+    view = memoryview(data)
+    whole = xxhash.xxh3_128()
+    digest = xxhash.xxh3_64_digest
+    step = max(block, FUSED_CHUNK // block * block)
+    parts: list[bytes] = []
+    for start in range(0, len(view), step):
+        chunk = view[start : start + step]
+        whole.update(chunk)
+        parts += [digest(chunk[i : i + block]) for i in range(0, len(chunk), block)]
+    return whole.hexdigest(), b"".join(parts)
 
 
 def check_digest(digest: str) -> str:
@@ -501,11 +545,15 @@ class Index:
         except ChecksumError as e:
             raise ChecksumError(f"sector {number}: {e}") from None
 
-    def decode_sector_into(self, number: int, stored: bytes | memoryview, out: memoryview) -> None:
+    def decode_sector_into(
+        self, number: int, stored: bytes | memoryview, out: memoryview, block: int = 0
+    ) -> bytes:
         """``decode_sector`` into ``out`` (exactly the sector's size, not all zeros): the
         caller's memory instead of new bytes. Raises ``ChecksumError`` as ``decode_sector``
         does, and then what ``out`` holds is not the sector: it must not be used. A raw
-        sector received straight into its memory needs no copy: ``verify_raw``."""
+        sector received straight into its memory needs no copy: ``verify_raw``. With
+        ``block``, returns the digest of each ``block``-byte block of the sector, hashed
+        with its checksum (``checksum_and_blocks``); else b""."""
         entry = self.sectors[number]
         _, size = self.sector_span(number)
         if entry.is_zero or len(out) != size:
@@ -513,22 +561,25 @@ class Index:
         self._check_stored_length(number, stored)
         if entry.raw:
             out[:] = stored
-            self.verify_raw(number, out)
-            return
+            return self.verify_raw(number, out, block)
         try:
-            decode_stored_into(stored, entry.checksum, out)
+            return decode_stored_into(stored, entry.checksum, out, block)
         except ChecksumError as e:
             raise ChecksumError(f"sector {number}: {e}") from None
 
-    def verify_raw(self, number: int, data: bytes | memoryview) -> None:
+    def verify_raw(self, number: int, data: bytes | memoryview, block: int = 0) -> bytes:
         """Check that ``data``, the stored bytes of raw sector ``number``, are that sector:
         its size and checksum. Raises ``ChecksumError`` (or ``ValueError`` for a sector
-        that is not raw)."""
+        that is not raw). ``block``: as ``decode_sector_into``."""
         entry = self.sectors[number]
         if not entry.raw:
             raise ValueError(f"sector {number} is not stored raw")
-        if len(data) != entry.length or sector_checksum(data) != entry.checksum:
+        if len(data) != entry.length:
             raise ChecksumError(f"sector {number}: checksum mismatch")
+        checksum, blocks = _checksum_of(data, block)
+        if checksum != entry.checksum:
+            raise ChecksumError(f"sector {number}: checksum mismatch")
+        return blocks
 
     def _check_stored_length(self, number: int, stored: bytes | memoryview) -> None:
         if len(stored) != self.sectors[number].length:
@@ -734,10 +785,22 @@ def decode_stored(stored: bytes, checksum: str, size: int | None = None) -> byte
     return data
 
 
-def decode_stored_into(stored: bytes | memoryview, checksum: str, out: memoryview) -> None:
+def decode_stored_into(
+    stored: bytes | memoryview, checksum: str, out: memoryview, block: int = 0
+) -> bytes:
     """``decode_stored`` into ``out``, whose length is the sector's size: its stored bytes
     must decode to exactly that many bytes, which hash to ``checksum``. On
-    ``ChecksumError``, ``out`` holds no sector."""
+    ``ChecksumError``, ``out`` holds no sector. ``block``: as
+    ``Index.decode_sector_into``."""
+    if _sectorcodec is not None:
+        # Decoded and hashed a slice at a time (imagetool/_sectorcodec.c).
+        try:
+            produced, raw_checksum, blocks = _sectorcodec.decode_into(stored, out, block)
+        except ValueError as e:
+            raise ChecksumError(f"undecodable ({e})") from None
+        if produced != len(out) or raw_checksum.hex() != checksum:
+            raise ChecksumError("checksum mismatch")
+        return blocks
     done = 0
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False)
@@ -746,8 +809,18 @@ def decode_stored_into(stored: bytes | memoryview, checksum: str, out: memoryvie
         longer = bool(reader.read(1))
     except zstandard.ZstdError as e:
         raise ChecksumError(f"undecodable ({e})") from None
-    if done != len(out) or longer or sector_checksum(out) != checksum:
+    if done != len(out) or longer:
         raise ChecksumError("checksum mismatch")
+    got_checksum, blocks = _checksum_of(out, block)
+    if got_checksum != checksum:
+        raise ChecksumError("checksum mismatch")
+    return blocks
+
+
+def _checksum_of(data: bytes | memoryview, block: int) -> tuple[str, bytes]:
+    """(checksum, block digests) of ``data``: ``checksum_and_blocks`` with ``block``, the
+    checksum alone and b"" without."""
+    return checksum_and_blocks(data, block) if block else (sector_checksum(data), b"")
 
 
 def coalesce(numbers: Iterable[int]) -> list[range]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from imagetool.format import block_digests as format_block_digests
+
 # Granularity of the checks: a read checks the blocks that cover it, so it reads at most
 # two blocks' worth more than it was asked for (a 128 KiB read ~140 KiB), and a digest costs
 # 8 bytes a block, 2 KiB per 4 MiB sector in the trailer and in the memory of each process
@@ -52,9 +54,7 @@ def is_checksum(name: str) -> bool:
 
 def block_digests(data: bytes | memoryview, block: int = VERIFY_BLOCK) -> bytes:
     """xxh3-64 of each ``block``-byte block of ``data``, concatenated."""
-    view = memoryview(data)
-    digest = xxhash.xxh3_64_digest
-    return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
+    return format_block_digests(data, block)
 
 
 def aligned(n: int) -> int:
@@ -90,13 +90,15 @@ class EntryBuffer:
     first copied into an aligned buffer (a copy of every fetched sector). Freed with the
     last reference to ``data`` (or to a view of it)."""
 
-    __slots__ = ("size", "data", "_entry")
+    __slots__ = ("size", "data", "digests", "_entry")
 
     def __init__(self, size: int) -> None:
         total = entry_file_size(size)
         raw = _new_bytearray(None, total + ALIGN)
         start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
         self.size = size
+        # The ``VERIFY_BLOCK`` digests of ``data``, where whoever filled it hashed them.
+        self.digests: bytes | None = None
         self._entry = memoryview(raw)[start : start + total]
         self.data = self._entry[:size]
 

@@ -458,24 +458,35 @@ class SectorCache:
     # --- writes ---------------------------------------------------------------------------
 
     def put(
-        self, checksum: str, data: bytes | memoryview | EntryBuffer, verified: bool = False
+        self,
+        checksum: str,
+        data: bytes | memoryview | EntryBuffer,
+        verified: bool = False,
+        digests: bytes | None = None,
     ) -> bool:
         """Store a sector's uncompressed bytes under its checksum. Bytes that do not hash
         to ``checksum`` are refused (this costs a hash, ~0.5 ms per 4 MiB, and keeps the
         block digests honest); ``verified``: the caller has just hashed these very bytes
         (``Index.decode_sector`` or ``decode_sector_into`` checked them), so they are not
-        hashed again. An ``EntryBuffer`` is written from where it is (its bytes must not
-        change until this returns). Returns whether the entry is now cached; never raises
-        for lack of room or a failing disk."""
+        hashed again, and ``digests``, with ``verified`` only, their ``VERIFY_BLOCK``
+        digests, hashed in the same pass (``decode_sector_into``'s ``block``). An
+        ``EntryBuffer`` is written from where it is (its bytes must not change until this
+        returns). Returns whether the entry is now cached; never raises for lack of room or
+        a failing disk."""
         check_checksum(checksum)
         held = data
         if isinstance(data, EntryBuffer):
             data = data.data
+        if digests is not None and (
+            not verified or len(digests) != 8 * -(-len(data) // VERIFY_BLOCK)
+        ):
+            raise ValueError("digests are given with verified bytes, one per VERIFY_BLOCK")
         if not verified and xxhash.xxh3_128_hexdigest(data) != checksum:
             self.metrics.put_failures.inc()
             log.error("sector cache: bytes put as %s do not hash to it; not cached", checksum)
             return False
-        digests = block_digests(data)
+        if digests is None:
+            digests = block_digests(data)
         trailer = entry_trailer(checksum, len(data), digests)
         total = aligned(len(data)) + len(trailer)
         # Room is made and the entry counted before its file is written (``_reserve``), so

@@ -71,7 +71,7 @@ from imagetool.errors import (
 )
 from imagetool.format import Index, blob_range, blob_runs, coalesce
 from imagetool.stores.base import Store
-from snapshotter.cache.entry import EntryBuffer
+from snapshotter.cache.entry import VERIFY_BLOCK, EntryBuffer
 from snapshotter.cache.sectors import SectorCache
 from snapshotter.config import FetchConfig
 from snapshotter.errors import ClosedError, FetchError, FetchTimeoutError, InvalidReadError
@@ -781,10 +781,13 @@ class SectorFetcher:
                     if decoded is None:
                         continue
                     try:
+                        # The cache entry's block digests, hashed with the checksum.
                         if raw:
-                            index.verify_raw(n, view)
+                            decoded.digests = index.verify_raw(n, view, VERIFY_BLOCK)
                         else:
-                            index.decode_sector_into(n, view, decoded.data)
+                            decoded.digests = index.decode_sector_into(
+                                n, view, decoded.data, VERIFY_BLOCK
+                            )
                     except ChecksumError as e:
                         self.metrics.checksum_errors.inc()
                         log.warning("%s from %s; refetching", e, self.store.url)
@@ -840,7 +843,8 @@ class SectorFetcher:
 
     def _cache_put(self, checksum: str, data: EntryBuffer) -> None:
         try:
-            self.cache.put(checksum, data, verified=True)  # decode_sector_into checked it
+            # decode_sector_into checked it, and hashed its blocks too
+            self.cache.put(checksum, data, verified=True, digests=data.digests)
         except Exception:  # caching is best effort; the read goes on
             log.exception("sector cache put failed")
 

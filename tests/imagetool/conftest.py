@@ -7,7 +7,23 @@ import subprocess
 import pytest
 from itool import SourceImage, fill_base, fill_update
 from ocibuild import build_with_umoci
-from support import require_root, require_tool
+from support import require, require_root, require_tool
+
+from imagetool import format as format_module
+
+
+@pytest.fixture(params=["compiled", "python"])
+def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test of sector decoding and hashing twice: through the compiled module
+    (``imagetool._sectorcodec``, which CI builds) and through python-zstandard and
+    python-xxhash alone, as where it is not built."""
+    if request.param == "compiled":
+        require(format_module._sectorcodec is not None,
+                "imagetool._sectorcodec is not built (pip install -e . with gcc, libzstd-dev, "
+                "libxxhash-dev)")  # fmt: skip
+    else:
+        monkeypatch.setattr(format_module, "_sectorcodec", None)
+    return request.param
 
 
 @pytest.fixture(scope="session")

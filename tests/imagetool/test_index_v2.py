@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import xxhash
 import zstandard
 
 from imagetool.errors import ChecksumError, FormatError
@@ -20,6 +21,8 @@ from imagetool.format import (
     Sector,
     blob_range,
     blob_runs,
+    block_digests,
+    checksum_and_blocks,
     sector_checksum,
     sha256_digest,
 )
@@ -86,11 +89,12 @@ def test_a_v2_index_round_trips_and_decodes_every_sector() -> None:
     assert again.blob_of(3) == index.blobs[1] and again.sectors[3].raw
 
 
-def test_a_raw_sector_is_checked_by_size_and_checksum() -> None:
+def test_a_raw_sector_is_checked_by_size_and_checksum(codec: str) -> None:
     index, data, blobs = _v2()
     good = _stored(index, blobs, 3)
     assert good == data[3]
     index.verify_raw(3, memoryview(good))
+    assert index.verify_raw(3, good, 4096) == checksum_and_blocks(data[3], 4096)[1]
     for bad in (good[:-1], good[:-1] + b"?", good + b"x"):
         with pytest.raises(ChecksumError):
             index.verify_raw(3, bad)
@@ -98,6 +102,34 @@ def test_a_raw_sector_is_checked_by_size_and_checksum() -> None:
             index.decode_sector(3, bad)
     with pytest.raises(ValueError, match="not stored raw"):
         index.verify_raw(2, _stored(index, blobs, 2))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 300_000, (1 << 20) + 5])
+@pytest.mark.parametrize("block", [4096, 16384, 1 << 20])
+def test_the_checksum_and_block_digests_hashed_together_are_those_hashed_apart(
+    size: int, block: int, codec: str
+) -> None:
+    data = random.Random(size).randbytes(size)
+    checksum, blocks = checksum_and_blocks(memoryview(data), block)
+    apart = [xxhash.xxh3_64_digest(data[i : i + block]) for i in range(0, size, block)]
+    assert checksum == sector_checksum(data) and blocks == b"".join(apart)
+    assert block_digests(data, block) == blocks
+    for bad in (checksum_and_blocks, block_digests):
+        with pytest.raises(ValueError):
+            bad(data, 0)
+
+
+def test_decoding_into_memory_returns_the_block_digests_of_what_it_checked(codec: str) -> None:
+    index, data, blobs = _v2()
+    for n in (0, 2, 3, 4, 5):  # zstd and raw
+        out = memoryview(bytearray(len(data[n])))
+        blocks = index.decode_sector_into(n, _stored(index, blobs, n), out, 4096)
+        assert out == data[n] and blocks == checksum_and_blocks(data[n], 4096)[1]
+        assert index.decode_sector_into(n, _stored(index, blobs, n), out) == b""
+    bad = bytearray(_stored(index, blobs, 2))
+    bad[-1] ^= 1
+    with pytest.raises(ChecksumError):
+        index.decode_sector_into(2, bytes(bad), memoryview(bytearray(len(data[2]))), 4096)
 
 
 def test_runs_are_contiguous_in_one_blob() -> None:

@@ -6,10 +6,16 @@ from __future__ import annotations
 import random
 
 import pytest
+import xxhash
 import zstandard
 
 from imagetool.errors import ChecksumError
-from imagetool.format import decode_stored, decode_stored_into, sector_checksum
+from imagetool.format import (
+    checksum_and_blocks,
+    decode_stored,
+    decode_stored_into,
+    sector_checksum,
+)
 
 SECTOR = random.Random(3).randbytes(1 << 19) + b"lazyblock " * 50_000
 
@@ -18,7 +24,7 @@ def _stored() -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(SECTOR)
 
 
-def test_decodes_into_the_memory_given_as_decode_stored_does() -> None:
+def test_decodes_into_the_memory_given_as_decode_stored_does(codec: str) -> None:
     stored = _stored()
     out = memoryview(bytearray(len(SECTOR)))
     decode_stored_into(memoryview(stored), sector_checksum(SECTOR), out)
@@ -37,6 +43,31 @@ def test_decodes_into_the_memory_given_as_decode_stored_does() -> None:
     ],
     ids=["truncated", "longer", "shorter", "two-frames", "garbage", "wrong-bytes"],
 )
-def test_anything_but_exactly_the_named_bytes_is_a_checksum_error(stored: bytes, room: int) -> None:
+def test_anything_but_exactly_the_named_bytes_is_a_checksum_error(
+    stored: bytes, room: int, codec: str
+) -> None:
     with pytest.raises(ChecksumError):
         decode_stored_into(stored, sector_checksum(SECTOR), memoryview(bytearray(room)))
+    with pytest.raises(ChecksumError):  # and with the block digests asked for
+        decode_stored_into(stored, sector_checksum(SECTOR), memoryview(bytearray(room)), 4096)
+
+
+@pytest.mark.parametrize("block", [4096, 16384, 100_000])
+def test_the_block_digests_are_of_the_bytes_decoded(block: int, codec: str) -> None:
+    out = memoryview(bytearray(len(SECTOR)))
+    blocks = decode_stored_into(_stored()[:], sector_checksum(SECTOR), out, block)
+    assert out == SECTOR
+    assert blocks == b"".join(
+        xxhash.xxh3_64_digest(SECTOR[i : i + block]) for i in range(0, len(SECTOR), block)
+    )
+
+
+def test_a_sector_of_any_size_decodes_and_hashes_alike(codec: str) -> None:
+    rng = random.Random(9)
+    for size in (0, 1, 4095, 4096, 131_073, 1 << 20):
+        data = rng.randbytes(size // 2) + b"x" * (size - size // 2)
+        for stored in (zstandard.ZstdCompressor(level=1).compress(data),
+                       zstandard.ZstdCompressor(level=19).compress(data)):  # fmt: skip
+            out = memoryview(bytearray(size))
+            blocks = decode_stored_into(stored, sector_checksum(data), out, 16384)
+            assert out == data and blocks == checksum_and_blocks(data, 16384)[1]

@@ -18,7 +18,7 @@ import pytest
 import support
 from datapath_support import entry_path, set_mtime, wait_until
 
-from imagetool.format import sector_checksum
+from imagetool.format import checksum_and_blocks, sector_checksum
 from snapshotter.cache.entry import ALIGN, VERIFY_BLOCK, EntryBuffer, entry_file_size
 from snapshotter.cache.sectors import (
     LAYOUT_VERSION,
@@ -63,6 +63,23 @@ def test_put_get_roundtrip_and_miss(tmp_path: Path) -> None:
     assert path.read_bytes()[: len(stored)] == stored  # the sector's bytes, then the trailer
     assert not list((tmp_path / LAYOUT_VERSION / "wip").iterdir())
     assert cache.metrics.hits.value == 2 and cache.metrics.misses.value == 1
+
+
+def test_block_digests_hashed_by_the_caller_are_those_the_entry_keeps(tmp_path: Path) -> None:
+    data = random.Random(3).randbytes(5 * VERIFY_BLOCK + 100)
+    key, blocks = checksum_and_blocks(data, VERIFY_BLOCK)
+    cache = SectorCache(tmp_path, 1 << 20)
+    for bad in ({"verified": False, "digests": blocks}, {"verified": True, "digests": blocks[8:]}):
+        with pytest.raises(ValueError):
+            cache.put(key, data, **bad)  # type: ignore[arg-type]
+    assert key not in cache
+    assert cache.put(key, data, verified=True, digests=blocks)
+    again = SectorCache(tmp_path, 1 << 20)  # a new process: checks blocks against the trailer
+    assert (
+        again.read(key, VERIFY_BLOCK - 10, 2 * VERIFY_BLOCK)
+        == data[VERIFY_BLOCK - 10 :][: 2 * VERIFY_BLOCK]
+    )
+    assert again.get(key) == data
 
 
 def test_rejects_keys_that_are_not_checksums(tmp_path: Path) -> None:
