@@ -103,10 +103,6 @@ MIB = 1 << 20
 FILE_SIZE = 64 * MIB
 RANDOM_READ = 128 << 10
 RANDOM_COUNT = 2000
-# This VM's free page reporting (its kernel's ``page_reporting`` module): how long a freed
-# block stays unreported, and how long ``backed_memory`` has it stay.
-MIN_FREE_MS = "/sys/module/page_reporting/parameters/min_free_ms"
-HOLD_FREE_MS = 120_000
 QUIET_SECONDS = 5.0  # more than the mount server's 2 s of quiet before it trims its heap
 LATENCY_COUNT = 500
 
@@ -395,8 +391,7 @@ def measure(
         out["backing"] = stats["backing"]
         out["read_ahead_kb"] = _read_ahead_kb(mnt)
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
-        drop_caches()
-        with backed_memory(backed_bytes):
+        with backed_memory(backed_bytes):  # and the page cache dropped
             meter = CpuMeter({"mount_server": server.pid, **pids}).start()
             out["cold_seq_MBps"] = seq_read(mnt)
             gigabytes = sum(p.stat().st_size for p in files_of(mnt)) / 1e9
@@ -448,8 +443,7 @@ def measure_stages(
     shutil.rmtree(cfg.cache_dir, ignore_errors=True)
     try:
         server = api.mount(ref, mnt, cfg, fork_server=False)
-        drop_caches()
-        with backed_memory(backed_bytes):
+        with backed_memory(backed_bytes):  # and the page cache dropped
             meter = CpuMeter({"mount_server": server.pid, **pids}).start()
             with CpuStages() as stages:
                 seq_read(mnt)
@@ -496,24 +490,12 @@ def wait_for_copy(status: Callable[[], dict[str, Any]], timeout: float = 600.0) 
 
 @contextlib.contextmanager
 def backed_memory(size: int) -> Iterator[None]:
-    """With ``size`` > 0: ``back_memory(size)``, and for the duration of the block, where
-    this VM's page reporting waits a while before it reports a freed block to the host
-    (``MIN_FREE_MS``), have it wait ``HOLD_FREE_MS``: otherwise it reports the memory just
-    backed at once, and the pass meets pages the host must back again after all (the
-    mount server's CPU per GB of a cold pass then ranged 1.4-2.4 s across passes; held,
-    1.39-1.48). The setting is put back afterwards. Nothing with ``size`` 0."""
-    knob = Path(MIN_FREE_MS)
-    before = None
-    if size and knob.exists():
-        before = knob.read_text().strip()
-        knob.write_text(str(HOLD_FREE_MS))
-    try:
-        if size:
-            back_memory(size)
-        yield
-    finally:
-        if before is not None:
-            knob.write_text(before)
+    """Drop the page cache, then with ``size`` > 0 ``back_memory(size)``: for the cold pass
+    in the block."""
+    drop_caches()
+    if size:
+        back_memory(size)
+    yield
 
 
 def back_memory(size: int) -> None:
@@ -592,8 +574,6 @@ def machine_facts() -> dict[str, object]:
     order = Path("/sys/module/page_reporting/parameters/page_reporting_order")
     if reporting and order.exists():
         facts["page_reporting_order"] = int(order.read_text())
-    if reporting and Path(MIN_FREE_MS).exists():
-        facts["page_reporting_min_free_ms"] = int(Path(MIN_FREE_MS).read_text())
     return facts
 
 
