@@ -71,3 +71,21 @@ def test_a_sector_of_any_size_decodes_and_hashes_alike(codec: str) -> None:
             out = memoryview(bytearray(size))
             blocks = decode_stored_into(stored, sector_checksum(data), out, 16384)
             assert out == data and blocks == checksum_and_blocks(data, 16384)[1]
+
+
+def test_a_corrupt_stored_sector_never_decodes_to_other_bytes(codec: str) -> None:
+    """Bytes flipped anywhere in the stored sector (the frame's header, its blocks, its
+    end), a byte at a time: each decode either refuses (ChecksumError) or gives exactly the
+    sector, and it never reads or writes past the buffers (the compiled decoder included)."""
+    stored = _stored()
+    rng = random.Random(5)
+    positions = list(range(24)) + rng.sample(range(24, len(stored)), 300) + [len(stored) - 1]
+    for at in positions:
+        bad = bytearray(stored)
+        bad[at] ^= 1 << rng.randrange(8)
+        out = memoryview(bytearray(len(SECTOR)))
+        try:
+            decode_stored_into(bytes(bad), sector_checksum(SECTOR), out, 16384)
+        except ChecksumError:
+            continue
+        assert out == SECTOR
