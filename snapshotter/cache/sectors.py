@@ -1053,17 +1053,25 @@ class SectorCache:
         reservation it sees is locked by its writer if that writer lives."""
         now = time.time()
         writing = 0
+        held = loop_backing_files()
         for f in self._wip.iterdir():
             with contextlib.suppress(OSError):
                 st = f.stat()
-                if _orphaned(f) or (
+                if str(f) in held and _orphaned(f):
+                    # A copy a loop device was switched to, whose maker died before it
+                    # moved it to local/ (``install_copy``): a copy like the others,
+                    # counted while it is read, removed once it is not.
+                    target = self._local / f.name
+                    os.replace(f, target)
+                    held.add(str(target))
+                    log.info("sector cache: %s, which a loop device reads, kept as %s", f, target)
+                elif _orphaned(f) or (
                     not f.name.startswith(WIP_PREFIX) and now - st.st_mtime >= STALE_WIP_SECONDS
                 ):
                     f.unlink()
                     log.info("sector cache: removed %s, left by a writer that is gone", f)
                 else:
                     writing += st.st_size
-        held = loop_backing_files()
         for f in self._local.iterdir():
             with contextlib.suppress(OSError):
                 if str(f) in held:

@@ -479,6 +479,8 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
     record = state.MountRecord.load(directory)
     fuse_dir = directory / state.FUSE_DIR
     alive = record is not None and record.alive
+    # Read before the unmount takes the loop device away (it clears itself with erofs).
+    unrecorded = _unrecorded_copy(record)
     if record is not None and not alive:
         # The holder first, so that it starts no successor of the dead server.
         _stop_holder(record)
@@ -510,12 +512,14 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
     if record is not None and not (alive and lazy):
         _stop_holder(record)  # its server told it already, unless it died meanwhile
     if record is not None and record.loop_device:
-        _release_loop(record.loop_device, fuse_dir, record.local_copy)
+        _release_loop(record.loop_device, fuse_dir, record.local_copy, unrecorded)
     if record is not None and record.local_copy:
         try:
             sectors.remove_copy(record.cache_dir, record.local_copy)
         except (OSError, CacheError) as e:  # a rescan of the cache removes it
             log.warning("cannot remove the local copy %s: %s", record.local_copy, e)
+    if record is not None and unrecorded:
+        _remove_unrecorded(record, unrecorded)
     if directory.exists() and not (alive and lazy and record and record.alive):
         state.remove_mount_dir(directory)
 
@@ -542,10 +546,42 @@ def _ours_at(mountpoint: Path, directory: Path) -> bool:
     )
 
 
-def _release_loop(device: str, fuse_dir: Path, local_copy: str = "") -> None:
+def _release_loop(device: str, fuse_dir: Path, *copies: str) -> None:
     backing = kernel.loop_backing_file(device)
-    if backing and (backing.startswith(str(fuse_dir)) or (local_copy and backing == local_copy)):
+    if backing and (backing.startswith(str(fuse_dir)) or backing in [c for c in copies if c]):
         subprocess.run(["losetup", "--detach", device], capture_output=True)
+
+
+def _unrecorded_copy(record: state.MountRecord | None) -> str:
+    """The local copy the mount's loop device reads when its record names none: one its
+    server switched the device to and died before recording (still in the cache's
+    ``wip/``, or in ``local/`` after a rescan kept it). "" if none."""
+    if record is None or not record.loop_device:
+        return ""
+    backing = kernel.loop_backing_file(record.loop_device) or ""
+    root = os.path.join(record.cache_dir, sectors.LAYOUT_VERSION)
+    where = os.path.dirname(backing)
+    if backing == record.local_copy or where not in (
+        os.path.join(root, sectors.LOCAL_DIR), os.path.join(root, "wip")
+    ):  # fmt: skip
+        return ""
+    return backing
+
+
+def _remove_unrecorded(record: state.MountRecord, path: str) -> None:
+    """Remove a copy ``_unrecorded_copy`` found, once its loop device is gone, and take it
+    off the cache's count (a reservation left in ``wip/`` is moved to ``local/`` first,
+    as a rescan would)."""
+    log.warning("the loop device of %s read %s, a local copy it did not record; removing it",
+                record.mountpoint, path)  # fmt: skip
+    local = os.path.join(record.cache_dir, sectors.LAYOUT_VERSION, sectors.LOCAL_DIR)
+    target = os.path.join(local, os.path.basename(path))
+    try:
+        if path != target:
+            os.replace(path, target)
+        sectors.remove_copy(record.cache_dir, target)
+    except (OSError, CacheError) as e:  # a rescan of the cache removes it
+        log.warning("cannot remove the local copy %s: %s", path, e)
 
 
 def _wait_exit(record: state.MountRecord, timeout: float) -> bool:

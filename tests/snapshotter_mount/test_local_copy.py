@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -212,6 +213,67 @@ def test_a_rescan_removes_a_copy_that_no_loop_device_reads(tmp_path) -> None:  #
     SectorCache(tmp_path / "cache", 64 * MIB)
     assert not left.exists()
     assert shared_usage(tmp_path / "cache") == 0
+
+
+def test_a_copy_whose_maker_died_before_installing_it_is_kept_while_read(tmp_path) -> None:  # noqa: ANN001
+    """The maker of a copy switched its loop device to it and died before moving it out of
+    wip/: the next rescan does not delete a file a loop device reads (its bytes would stay
+    on disk, counted nowhere, until the device is detached), it keeps it in local/ and
+    counts it; once the device is detached, the rescan after removes it."""
+    root = tmp_path / "cache"
+    maker = subprocess.run(
+        [sys.executable, "-c", f"""
+import sys
+from snapshotter.cache.sectors import SectorCache
+res = SectorCache({str(root)!r}, 64 << 20).reserve_copy(8 << 20)
+print(res.path, flush=True)
+sys.stdout.close()
+import time; time.sleep(0.5)
+"""],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    wip = Path(maker.stdout.strip())
+    assert wip.exists() and wip.parent.name == "wip"  # its maker is gone, its lock with it
+    dev = subprocess.run(["losetup", "--find", "--show", "--read-only", str(wip)],
+                         check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    try:
+        SectorCache(root, 64 * MIB)  # a rescan
+        kept = root / LAYOUT_VERSION / LOCAL_DIR / wip.name
+        assert not wip.exists() and kept.exists()
+        assert kernel.loop_backing_file(dev) == str(kept)
+        assert shared_usage(root) == 8 * MIB
+        SectorCache(root, 64 * MIB)  # still read: still kept, counted once
+        assert kept.exists() and shared_usage(root) == 8 * MIB
+    finally:
+        subprocess.run(["losetup", "--detach", dev], check=False)
+    SectorCache(root, 64 * MIB)
+    assert not kept.exists() and shared_usage(root) == 0
+
+
+def test_unmount_removes_a_copy_its_server_did_not_record(config, image, tmp_path) -> None:  # noqa: ANN001
+    """A copy the mount's loop device was switched to by a server that died before it
+    recorded it (made here from outside the server): ``umount`` still detaches the loop
+    device and removes the copy, and the cache's count drops it."""
+    ref, expected = image
+    cfg, mnt, _ = _mount(ref, config, tmp_path, local_copy=False)
+    _read_all(mnt, expected)
+    with open_image(ref) as img:
+        index = img.index
+    cache = SectorCache(cfg.cache_dir, cfg.cache_size)
+    deadline = time.monotonic() + 30
+    while not localcopy.whole_in_cache(index, cache):  # the background fetch ends
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    before = shared_usage(cfg.cache_dir)
+    dev = api.stats(mnt, cfg)["loop_device"]
+    made = localcopy.make(index, cache, dev, "unrecorded")
+    assert made is not None and kernel.loop_backing_file(dev) == str(made.path)
+    assert shared_usage(cfg.cache_dir) == before + made.bytes
+    drop_caches()
+    _read_all(mnt, expected)
+    api.unmount(mnt, cfg)
+    assert not made.path.exists() and kernel.loop_backing_file(dev) != str(made.path)
+    assert shared_usage(cfg.cache_dir) == before
 
 
 def test_no_copy_for_a_file_backed_mount(config, image, tmp_path) -> None:  # noqa: ANN001
