@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -309,12 +310,17 @@ def cache() -> None:
 @cache.command(name="ls")
 @_config_options
 def cache_ls(config) -> None:  # noqa: ANN001
-    """List cache entries (checksum, bytes, last use), least recently used first."""
-    from snapshotter.cache.sectors import cache_entries
+    """List cache entries (checksum, bytes, last use), least recently used first; then the
+    local copies of whole images (``local/NAME``, bytes, when made, the loop device that
+    reads it or "-"; ``mount.local_copy``)."""
+    from snapshotter.cache.sectors import cache_entries, local_copy_files
 
     for checksum, size, used in cache_entries(config.mount.cache_dir):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(used))
         click.echo(f"{checksum} {size:>9} {stamp}")
+    for path, size, made, device in local_copy_files(config.mount.cache_dir):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made))
+        click.echo(f"local/{os.path.basename(path)} {size:>9} {stamp} {device or '-'}")
 
 
 @cache.command(name="gc")

@@ -1063,7 +1063,7 @@ class SectorCache:
                     # counted while it is read, removed once it is not.
                     target = self._local / f.name
                     os.replace(f, target)
-                    held.add(str(target))
+                    held[str(target)] = held[str(f)]
                     log.info("sector cache: %s, which a loop device reads, kept as %s", f, target)
                 elif _orphaned(f) or (
                     not f.name.startswith(WIP_PREFIX) and now - st.st_mtime >= STALE_WIP_SECONDS
@@ -1216,15 +1216,29 @@ def cache_entries(
     return out
 
 
-def loop_backing_files() -> set[str]:
-    """The files that the node's loop devices read (their paths as the kernel shows them)."""
-    held = set()
+def loop_backing_files() -> dict[str, str]:
+    """The files that the node's loop devices read (their paths as the kernel shows them),
+    each with the device that reads it (``/dev/loopN``)."""
+    held = {}
     with contextlib.suppress(OSError):
         for dev in os.scandir(SYS_BLOCK):
             with contextlib.suppress(OSError):
                 with open(os.path.join(dev.path, "loop", "backing_file")) as f:
-                    held.add(f.read().strip())
+                    held[f.read().strip()] = f"/dev/{dev.name}"
     return held
+
+
+def local_copy_files(root: os.PathLike[str] | str) -> list[tuple[str, int, float, str]]:
+    """The whole images copied out of a cache directory (``local/``): (path, bytes, when
+    made, the loop device that reads it or ""), oldest first (``snapshotter cache ls``)."""
+    held = loop_backing_files()
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(os.path.join(root, LAYOUT_VERSION, LOCAL_DIR)):
+            with contextlib.suppress(OSError):
+                st = entry.stat()
+                found.append((entry.path, st.st_size, st.st_mtime, held.get(entry.path, "")))
+    return sorted(found, key=lambda f: f[2])
 
 
 def remove_copy(root: os.PathLike[str] | str, path: os.PathLike[str] | str) -> int:

@@ -105,6 +105,15 @@ def test_a_whole_image_is_read_from_its_local_copy(config, image, tmp_path) -> N
     dirs = ["--state-dir", str(cfg.state_dir), "--cache-dir", str(cfg.cache_dir)]
     shown = snapshotter("status", *dirs).stdout
     assert f"local copy: done, {copy}" in shown and "1 local copy," in shown, shown
+    listed = snapshotter("cache", "ls", "--cache-dir", str(cfg.cache_dir)).stdout.splitlines()
+    assert [line.split()[0] for line in listed if line.startswith("local/")] == [
+        f"local/{copy.name}"
+    ], listed
+    line = next(line for line in listed if line.startswith("local/")).split()
+    assert int(line[1]) == copy.stat().st_size and line[-1] == info.loop_device
+    assert sum(1 for line in listed if not line.startswith("local/")) == len(
+        [f for f in (cfg.cache_dir / LAYOUT_VERSION).glob("??/*") if f.parent.name != LOCAL_DIR]
+    )
 
     before = stats["fetch"]["read_bytes"]
     drop_caches()
