@@ -173,6 +173,7 @@ ORPHAN_CHECK_SECONDS = 5.0
 USAGE_FILE = "usage"
 # Whole images copied out of the cache for a loop device to read (``reserve_copy``), beside
 # the entries and counted against the same cap.
+WIP_DIR = "wip"  # entries and copies being written (reservations)
 LOCAL_DIR = "local"
 SYS_BLOCK = "/sys/block"
 
@@ -309,7 +310,7 @@ class SectorCache:
         self.max_bytes = max_bytes
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
-        self._wip = self._dir / "wip"
+        self._wip = self._dir / WIP_DIR
         self._local = self._dir / LOCAL_DIR
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, int] = OrderedDict()  # checksum -> file bytes, LRU first
@@ -1061,9 +1062,8 @@ class SectorCache:
                     # A copy a loop device was switched to, whose maker died before it
                     # moved it to local/ (``install_copy``): a copy like the others,
                     # counted while it is read, removed once it is not.
-                    target = self._local / f.name
-                    os.replace(f, target)
-                    held[str(target)] = held[str(f)]
+                    target = _keep_copy(f)
+                    held[target] = held[str(f)]
                     log.info("sector cache: %s, which a loop device reads, kept as %s", f, target)
                 elif _orphaned(f) or (
                     not f.name.startswith(WIP_PREFIX) and now - st.st_mtime >= STALE_WIP_SECONDS
@@ -1081,7 +1081,7 @@ class SectorCache:
                     log.info("sector cache: removed %s, a copy no loop device reads", f)
         found: list[tuple[float, str, int]] = []
         for sub in self._dir.iterdir():
-            if sub.name in ("wip", LOCAL_DIR) or not sub.is_dir():
+            if sub.name in (WIP_DIR, LOCAL_DIR) or not sub.is_dir():
                 continue
             for f in sub.iterdir():
                 name = f.name
@@ -1201,7 +1201,7 @@ def cache_entries(
     except OSError:
         return []
     for sub in subs:
-        if sub.name in ("wip", LOCAL_DIR) or not sub.is_dir():
+        if sub.name in (WIP_DIR, LOCAL_DIR) or not sub.is_dir():
             continue
         try:
             for entry in os.scandir(sub.path):
@@ -1241,13 +1241,36 @@ def local_copy_files(root: os.PathLike[str] | str) -> list[tuple[str, int, float
     return sorted(found, key=lambda f: f[2])
 
 
+def is_copy(root: os.PathLike[str] | str, path: os.PathLike[str] | str) -> bool:
+    """Whether ``path`` (a loop device's backing file, say) is a whole image's copy of the
+    cache directory ``root``: in ``local/``, or a reservation in ``wip/`` (one whose maker
+    died after switching a loop device to it, before ``install_copy``)."""
+    where = os.path.dirname(os.path.abspath(path))
+    return where in (
+        os.path.abspath(os.path.join(root, LAYOUT_VERSION, d)) for d in (LOCAL_DIR, WIP_DIR)
+    )
+
+
+def _keep_copy(path: os.PathLike[str] | str) -> str:
+    """Move a copy left in ``wip/`` to ``local/`` beside it, where it is counted and removed
+    as any copy; returns its new path."""
+    target = os.path.join(os.path.dirname(os.path.dirname(path)), LOCAL_DIR, os.path.basename(path))
+    os.replace(path, target)
+    return target
+
+
 def remove_copy(root: os.PathLike[str] | str, path: os.PathLike[str] | str) -> int:
-    """Delete a whole image's copy in ``local/`` (its mount is gone) and take its bytes off
-    the directory's count; returns them (0 if it was gone already). A loop device that still
-    reads it keeps reading the deleted file until it is detached."""
-    local = os.path.join(root, LAYOUT_VERSION, LOCAL_DIR)
-    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(local):
-        raise CacheError(f"{path} is not a copy in {local}")
+    """Delete a whole image's copy (``is_copy``; its mount is gone) and take its bytes off
+    the directory's count; returns them (0 if it was gone already). One still in ``wip/``
+    is moved to ``local/`` first, as a rescan would. A loop device that still reads it
+    keeps reading the deleted file until it is detached."""
+    if not is_copy(root, path):
+        raise CacheError(f"{path} is not a copy in {os.path.join(root, LAYOUT_VERSION)}")
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) == WIP_DIR:
+        try:
+            path = _keep_copy(path)
+        except FileNotFoundError:  # a rescan kept it meanwhile
+            path = os.path.join(root, LAYOUT_VERSION, LOCAL_DIR, os.path.basename(path))
     usage = SharedUsage(Path(root) / LAYOUT_VERSION / USAGE_FILE)
     with usage.held():
         try:
@@ -1267,13 +1290,8 @@ def shared_usage(root: os.PathLike[str] | str) -> int | None:
 
 def local_copies(root: os.PathLike[str] | str) -> tuple[int, int]:
     """(copies, bytes) of the whole images copied out of a cache directory (``local/``)."""
-    count = total = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(os.path.join(root, LAYOUT_VERSION, LOCAL_DIR)):
-            with contextlib.suppress(OSError):
-                total += entry.stat().st_size
-                count += 1
-    return count, total
+    files = local_copy_files(root)
+    return len(files), sum(size for _, size, _, _ in files)
 
 
 def cache_usage(root: os.PathLike[str] | str) -> tuple[int, int]:

@@ -559,27 +559,18 @@ def _unrecorded_copy(record: state.MountRecord | None) -> str:
     if record is None or not record.loop_device:
         return ""
     backing = kernel.loop_backing_file(record.loop_device) or ""
-    root = os.path.join(record.cache_dir, sectors.LAYOUT_VERSION)
-    where = os.path.dirname(backing)
-    if backing == record.local_copy or where not in (
-        os.path.join(root, sectors.LOCAL_DIR), os.path.join(root, "wip")
-    ):  # fmt: skip
-        return ""
-    return backing
+    if backing and backing != record.local_copy and sectors.is_copy(record.cache_dir, backing):
+        return backing
+    return ""
 
 
 def _remove_unrecorded(record: state.MountRecord, path: str) -> None:
     """Remove a copy ``_unrecorded_copy`` found, once its loop device is gone, and take it
-    off the cache's count (a reservation left in ``wip/`` is moved to ``local/`` first,
-    as a rescan would)."""
+    off the cache's count."""
     log.warning("the loop device of %s read %s, a local copy it did not record; removing it",
                 record.mountpoint, path)  # fmt: skip
-    local = os.path.join(record.cache_dir, sectors.LAYOUT_VERSION, sectors.LOCAL_DIR)
-    target = os.path.join(local, os.path.basename(path))
     try:
-        if path != target:
-            os.replace(path, target)
-        sectors.remove_copy(record.cache_dir, target)
+        sectors.remove_copy(record.cache_dir, path)
     except (OSError, CacheError) as e:  # a rescan of the cache removes it
         log.warning("cannot remove the local copy %s: %s", path, e)
 

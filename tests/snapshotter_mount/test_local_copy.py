@@ -27,7 +27,15 @@ from ocibuild import TarEntry, make_layer_tar
 
 from imagetool.image import open_image
 from snapshotter import prometheus
-from snapshotter.cache.sectors import LAYOUT_VERSION, LOCAL_DIR, SectorCache, shared_usage
+from snapshotter.cache.sectors import (
+    LAYOUT_VERSION,
+    LOCAL_DIR,
+    SectorCache,
+    is_copy,
+    remove_copy,
+    shared_usage,
+)
+from snapshotter.errors import CacheError
 from snapshotter.mount import api, kernel, localcopy
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
@@ -64,6 +72,19 @@ def _wait_copy(mnt: Path, cfg: Any, until: str, timeout: float = 60.0) -> dict[s
             return stats
         assert time.monotonic() < deadline, f"local copy: {stats['local_copy']}"
         time.sleep(0.2)
+
+
+def _dead_makers_reservation(root: Path) -> str:
+    """The path of an 8 MiB copy reserved in ``root``'s ``wip/`` by a process that has
+    exited since (its lock gone with it)."""
+    maker = subprocess.run(
+        [sys.executable, "-c", f"""
+from snapshotter.cache.sectors import SectorCache
+print(SectorCache({str(root)!r}, 64 << 20).reserve_copy(8 << 20).path)
+"""],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return maker.stdout.strip()
 
 
 def _mount(
@@ -230,18 +251,7 @@ def test_a_copy_whose_maker_died_before_installing_it_is_kept_while_read(tmp_pat
     on disk, counted nowhere, until the device is detached), it keeps it in local/ and
     counts it; once the device is detached, the rescan after removes it."""
     root = tmp_path / "cache"
-    maker = subprocess.run(
-        [sys.executable, "-c", f"""
-import sys
-from snapshotter.cache.sectors import SectorCache
-res = SectorCache({str(root)!r}, 64 << 20).reserve_copy(8 << 20)
-print(res.path, flush=True)
-sys.stdout.close()
-import time; time.sleep(0.5)
-"""],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    wip = Path(maker.stdout.strip())
+    wip = Path(_dead_makers_reservation(root))
     assert wip.exists() and wip.parent.name == "wip"  # its maker is gone, its lock with it
     dev = subprocess.run(["losetup", "--find", "--show", "--read-only", str(wip)],
                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -257,6 +267,21 @@ import time; time.sleep(0.5)
         subprocess.run(["losetup", "--detach", dev], check=False)
     SectorCache(root, 64 * MIB)
     assert not kept.exists() and shared_usage(root) == 0
+
+
+def test_a_copy_left_in_wip_is_removed_and_uncounted_as_a_copy_in_local(tmp_path) -> None:  # noqa: ANN001
+    """``remove_copy`` takes a copy wherever a dead maker left it: in ``wip/`` it is moved
+    to ``local/`` first, as a rescan would, then deleted and taken off the count; anything
+    outside the two is not a copy of this cache."""
+    root = tmp_path / "cache"
+    wip = Path(_dead_makers_reservation(root))
+    assert shared_usage(root) == 8 * MIB
+    assert is_copy(root, wip) and not is_copy(root, tmp_path / "elsewhere")
+    assert remove_copy(root, wip) == 8 * MIB
+    assert not wip.exists() and not any((root / LAYOUT_VERSION / LOCAL_DIR).iterdir())
+    assert shared_usage(root) == 0
+    with pytest.raises(CacheError, match="is not a copy"):
+        remove_copy(root, tmp_path / "elsewhere")
 
 
 def test_unmount_removes_a_copy_its_server_did_not_record(config, image, tmp_path) -> None:  # noqa: ANN001
