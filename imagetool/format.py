@@ -268,9 +268,13 @@ def block_digests(data: bytes | memoryview, block: int) -> bytes:
         raise ValueError(f"block size {block}")
     if _sectorcodec is not None:
         return _sectorcodec.hash_blocks(data, block, False)[1]
-    view = memoryview(data)
+    return b"".join(_block_digests(memoryview(data), block))
+
+
+def _block_digests(view: memoryview, block: int) -> list[bytes]:
+    """python-xxhash's xxh3-64 of each ``block``-byte block of ``view``."""
     digest = xxhash.xxh3_64_digest
-    return b"".join([digest(view[i : i + block]) for i in range(0, len(view), block)])
+    return [digest(view[i : i + block]) for i in range(0, len(view), block)]
 
 
 def checksum_and_blocks(data: bytes | memoryview, block: int) -> tuple[str, bytes]:
@@ -286,13 +290,12 @@ def checksum_and_blocks(data: bytes | memoryview, block: int) -> tuple[str, byte
         return checksum.hex(), blocks
     view = memoryview(data)
     whole = xxhash.xxh3_128()
-    digest = xxhash.xxh3_64_digest
     step = max(block, FUSED_CHUNK // block * block)
     parts: list[bytes] = []
     for start in range(0, len(view), step):
         chunk = view[start : start + step]
         whole.update(chunk)
-        parts += [digest(chunk[i : i + block]) for i in range(0, len(chunk), block)]
+        parts += _block_digests(chunk, block)
     return whole.hexdigest(), b"".join(parts)
 
 
