@@ -74,6 +74,19 @@ def _wait_copy(mnt: Path, cfg: Any, until: str, timeout: float = 60.0) -> dict[s
         time.sleep(0.2)
 
 
+def _whole_in_cache(ref: str, cfg: Any) -> tuple[Any, SectorCache]:
+    """(index, cache) of a mount's image once its background fetch has put every sector in
+    the node cache."""
+    with open_image(ref) as img:
+        index = img.index
+    cache = SectorCache(cfg.cache_dir, cfg.cache_size)
+    deadline = time.monotonic() + 30
+    while not localcopy.whole_in_cache(index, cache):
+        assert time.monotonic() < deadline, "the image is not whole in the cache"
+        time.sleep(0.1)
+    return index, cache
+
+
 def _dead_makers_reservation(root: Path) -> str:
     """The path of an 8 MiB copy reserved in ``root``'s ``wip/`` by a process that has
     exited since (its lock gone with it)."""
@@ -207,13 +220,7 @@ def test_a_switch_the_kernel_refuses_gives_the_room_back(config, image, tmp_path
     ref, expected = image
     cfg, mnt, _ = _mount(ref, config, tmp_path, backing=config.backing, local_copy=False)
     _read_all(mnt, expected)
-    with open_image(ref) as img:
-        index = img.index
-    cache = SectorCache(cfg.cache_dir, cfg.cache_size)
-    deadline = time.monotonic() + 30
-    while not localcopy.whole_in_cache(index, cache):  # the background fetch ends
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    index, cache = _whole_in_cache(ref, cfg)
     before = shared_usage(cfg.cache_dir)
     other = tmp_path / "other.img"
     other.write_bytes(bytes(1 << 20))
@@ -291,13 +298,7 @@ def test_unmount_removes_a_copy_its_server_did_not_record(config, image, tmp_pat
     ref, expected = image
     cfg, mnt, _ = _mount(ref, config, tmp_path, local_copy=False)
     _read_all(mnt, expected)
-    with open_image(ref) as img:
-        index = img.index
-    cache = SectorCache(cfg.cache_dir, cfg.cache_size)
-    deadline = time.monotonic() + 30
-    while not localcopy.whole_in_cache(index, cache):  # the background fetch ends
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    index, cache = _whole_in_cache(ref, cfg)
     before = shared_usage(cfg.cache_dir)
     dev = api.stats(mnt, cfg)["loop_device"]
     made = localcopy.make(index, cache, dev, "unrecorded")
