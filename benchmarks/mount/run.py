@@ -79,7 +79,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -391,11 +391,9 @@ def measure(
         out["backing"] = stats["backing"]
         out["read_ahead_kb"] = _read_ahead_kb(mnt)
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
-        with backed_memory(backed_bytes):  # and the page cache dropped
-            meter = CpuMeter({"mount_server": server.pid, **pids}).start()
-            out["cold_seq_MBps"] = seq_read(mnt)
-            gigabytes = sum(p.stat().st_size for p in files_of(mnt)) / 1e9
-            out["cold_seq_cpu"] = meter.stop(gigabytes)
+        out["cold_seq_MBps"], out["cold_seq_cpu"], _ = cold_seq_pass(
+            mnt, server.pid, pids, backed_bytes
+        )
         stats = api.stats(mnt, cfg)
         fetch = stats["fetch"]
         out["cold_fetch"] = {k: v for k, v in fetch.items() if not isinstance(v, dict)}
@@ -443,12 +441,10 @@ def measure_stages(
     shutil.rmtree(cfg.cache_dir, ignore_errors=True)
     try:
         server = api.mount(ref, mnt, cfg, fork_server=False)
-        with backed_memory(backed_bytes):  # and the page cache dropped
-            meter = CpuMeter({"mount_server": server.pid, **pids}).start()
-            with CpuStages() as stages:
-                seq_read(mnt)
-            gigabytes = sum(p.stat().st_size for p in files_of(mnt)) / 1e9
-            out["cold_seq_cpu_under_perf"] = meter.stop(gigabytes)
+        stages = CpuStages()  # recording only during the read
+        _, out["cold_seq_cpu_under_perf"], gigabytes = cold_seq_pass(
+            mnt, server.pid, pids, backed_bytes, stages
+        )
         named = {"mount_server": server.pid, "reader": os.getpid(), **pids}
         out["cold_seq_stages"] = stages.report(named, gigabytes).get("per_GB", {})
         stages.close()
@@ -488,14 +484,25 @@ def wait_for_copy(status: Callable[[], dict[str, Any]], timeout: float = 600.0) 
     return state
 
 
-@contextlib.contextmanager
-def backed_memory(size: int) -> Iterator[None]:
-    """Drop the page cache, then with ``size`` > 0 ``back_memory(size)``: for the cold pass
-    in the block."""
+def cold_seq_pass(
+    mnt: Path,
+    server_pid: int,
+    pids: dict[str, int],
+    backed_bytes: int,
+    stages: CpuStages | None = None,
+) -> tuple[float, dict[str, float], float]:
+    """One cold sequential read of the whole mount, the page cache dropped and, with
+    ``backed_bytes``, that much memory backed first (``back_memory``); ``stages``: a
+    ``CpuStages`` recording, kept to the read. Returns (MB/s, ``CpuMeter``'s CPU per GB
+    of the mount server, ``pids`` and the reader, GB of image read)."""
     drop_caches()
-    if size:
-        back_memory(size)
-    yield
+    if backed_bytes:
+        back_memory(backed_bytes)
+    meter = CpuMeter({"mount_server": server_pid, **pids}).start()
+    with stages if stages is not None else contextlib.nullcontext():
+        mbps = seq_read(mnt)
+    gigabytes = sum(p.stat().st_size for p in files_of(mnt)) / 1e9
+    return mbps, meter.stop(gigabytes), gigabytes
 
 
 def back_memory(size: int) -> None:
