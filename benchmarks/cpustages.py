@@ -35,6 +35,13 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     # Debian's libzstd (under imagetool._sectorcodec) has no symbols perf can name: by DSO.
     ("decompress", ("ZSTD_", "HUF_", "FSE_", "libzstd.so")),
     ("hash", ("XXH", "xxh")),
+    # Making and removing the cache's entry files (inodes, directory entries): on an ext4
+    # without a journal, choosing a new inode skips those freed in the last minutes, which
+    # costs a scan of the inode table after many deletions (``recently_deleted``).
+    (
+        "cache_files",
+        ("__ext4_new_inode", "do_mkdirat", "do_renameat", "do_unlinkat"),
+    ),
     (
         "cache_write",
         (
@@ -42,8 +49,6 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
             "iomap_dio",
             "fallocate",
             "ext4_fallocate",
-            "do_renameat",
-            "do_unlinkat",
             "ext4_sync",
         ),
     ),
