@@ -1,8 +1,15 @@
-"""The one compiled module of the package (``imagetool._sectorcodec``, see its source): built
-where a C compiler and the headers of libzstd and libxxhash are at hand (Debian's gcc,
-python3-dev, libzstd-dev, libxxhash-dev: ``scripts/install-deps``). Elsewhere the build
-goes on without it and ``imagetool.format`` does the same work through python-zstandard and
-python-xxhash. Everything else is in ``pyproject.toml``."""
+"""The compiled modules of the package, each with a Python fallback that does the same work:
+
+* ``imagetool._sectorcodec`` (see its source): a sector decoded and hashed in one pass;
+  needs the headers of libzstd and libxxhash. Without it ``imagetool.format`` works
+  through python-zstandard and python-xxhash.
+* ``snapshotter.mount._fastreads`` (see its source): FUSE READs answered from sector memory
+  without the interpreter; needs nothing but libc. Without it ``snapshotter.mount.fusewire``
+  answers every request in Python.
+
+Built where a C compiler and those headers are at hand (Debian's gcc, python3-dev,
+libzstd-dev, libxxhash-dev: ``scripts/install-deps``); elsewhere the build goes on without
+them. Everything else is in ``pyproject.toml``."""
 
 from setuptools import Extension, setup
 
@@ -14,6 +21,12 @@ setup(
             libraries=["zstd", "xxhash"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
+        Extension(
+            "snapshotter.mount._fastreads",
+            ["snapshotter/mount/_fastreads.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ]
 )

@@ -62,6 +62,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import IntEnum
+from typing import Protocol
 
 from imagetool.errors import (
     AuthError,
@@ -93,6 +94,14 @@ RETRY_WAIT = 0.5
 PREFETCH_MAX_WAIT = 2.0
 # Store errors that another attempt cannot fix.
 _PERMANENT = (NotFoundError, AuthError)
+
+
+class FlightWatch(Protocol):
+    """What ``SectorFetcher.watch_flights`` tells of the sectors being fetched."""
+
+    def pending(self, n: int, /) -> None: ...
+
+    def settled(self, n: int, /) -> None: ...
 
 
 class Priority(IntEnum):
@@ -222,6 +231,7 @@ class SectorFetcher:
         self._warming: deque[str] = deque()  # cached entries to get ready, for read-ahead
         self._listeners: list[Callable[[int, SectorBytes], None]] = []
         self._demand_listeners: list[Callable[[list[int]], None]] = []
+        self._flight_watch: FlightWatch | None = None
         # Transfer buffers (``_take_buffer``): one per request in flight, kept for reuse.
         self._buffer_size = max((s.length for s in index.sectors), default=0)
         self._buffers: list[bytearray] = []
@@ -316,6 +326,13 @@ class SectorFetcher:
         that found them neither in memory nor in the cache), on the reader's thread, before
         they are fetched: the prefetcher learns from it which large file a start reads."""
         self._demand_listeners.append(callback)
+
+    def watch_flights(self, watch: FlightWatch) -> None:
+        """Tell ``watch`` which sectors are being fetched from the store now: ``pending(n)``
+        when a worker starts on sector ``n``, ``settled(n)`` when its fetch ends, after the
+        listeners of ``on_fetched`` had it if it succeeded. Called with the fetcher's lock
+        held: ``watch`` must be quick and never call back."""
+        self._flight_watch = watch
 
     def limit_readahead(self, sectors: frozenset[int] | None) -> None:
         """Read ahead only among ``sectors`` (None: anywhere). The prefetcher limits it to a
@@ -424,6 +441,10 @@ class SectorFetcher:
             self._closed.set()
             flights = list(self._inflight.items())
             self._inflight.clear()
+            if (watch := self._flight_watch) is not None:
+                for _, flight in flights:
+                    for n in flight.job.sectors:
+                        watch.settled(n)
             self._queue.clear()
             self._prefetch_fifo.clear()
             self.metrics.queued.set(0)
@@ -646,6 +667,9 @@ class SectorFetcher:
                 if self._closed.is_set():
                     return
                 job.taken = True
+                if (watch := self._flight_watch) is not None:
+                    for n in job.sectors:
+                        watch.pending(n)
                 self.metrics.queued.dec()
                 prefetch = job.priority == Priority.PREFETCH
                 if prefetch:
@@ -862,7 +886,10 @@ class SectorFetcher:
 
     def _pop_flight(self, n: int) -> _Flight | None:
         """Lock held."""
-        return self._inflight.pop(self.index.sectors[n].checksum, None)
+        flight = self._inflight.pop(self.index.sectors[n].checksum, None)
+        if flight is not None and (watch := self._flight_watch) is not None:
+            watch.settled(n)
+        return flight
 
     @staticmethod
     def _settle(flights: list[_Flight], error: BaseException) -> None:

@@ -44,6 +44,7 @@ import mmap
 import threading
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 from imagetool.format import Index
 from snapshotter.cache.sectors import view_room
@@ -95,6 +96,16 @@ class _Stream:
         self.ahead_to = 0
 
 
+class MemoryMirror(Protocol):
+    """Where a copy of a reader's memory is kept (``BlockReader.mirror_memory``)."""
+
+    def put(self, n: int, data: SectorBytes, /) -> None: ...
+
+    def drop(self, n: int, /) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 class BlockReader:
     """Reads of one mounted image, through ``fetcher``."""
 
@@ -131,6 +142,9 @@ class BlockReader:
         self._used: dict[int, int] = {}  # bytes read so far of each sector in memory
         self._touched: dict[int, None] = {}  # insertion-ordered set
         self._streams: list[_Stream] = []  # most recently used last
+        # A copy of ``_memory`` kept elsewhere (``mirror_memory``): the FUSE file's table of
+        # the buffers its compiled loop answers READs from.
+        self._mirror: MemoryMirror | None = None
         if memory_sectors:
             # Every fetched sector, read-ahead included, is kept: the cache writes entries
             # with direct I/O, so the page cache does not have them.
@@ -268,11 +282,67 @@ class BlockReader:
         with self._lock:
             self._memory.clear()
             self._used.clear()
+            if self._mirror is not None:
+                self._mirror.clear()
+
+    def mirror_memory(self, mirror: MemoryMirror) -> None:
+        """Keep ``mirror`` a copy of the sectors held in memory: every one added is
+        ``put`` there, every one evicted ``drop``ped (under this reader's lock, so the two
+        never disagree for longer than a call). Reads answered from it are reported back
+        through ``account_served``."""
+        with self._lock:
+            mirror.clear()
+            for n, data in self._memory.items():
+                mirror.put(n, data)
+            self._mirror = mirror
+
+    def account_served(self, reads: list[tuple[int, int]]) -> None:
+        """Reads ``(offset, length)`` answered from the mirror of this reader's memory
+        (``mirror_memory``), in the order they were answered: counted, logged and followed
+        (sequential streams, read-ahead) as ``read_parts`` does its own."""
+        if not reads:
+            return
+        index = self.index
+        total = hits = touched = 0
+        with self._lock:
+            for offset, length in reads:
+                end = offset + length
+                total += length
+                for n in index.sectors_for_range(offset, length):
+                    hits += 1
+                    if n not in self._touched:
+                        self._touched[n] = None
+                        touched += index.sectors[n].length
+                    data = self._memory.get(n)
+                    if data is None:
+                        continue  # evicted since: nothing left to order
+                    start, size = index.sector_span(n)
+                    used = self._used.get(n, 0) + min(end, start + size) - max(offset, start)
+                    self._used[n] = used
+                    self._memory.move_to_end(n, last=used < len(data))
+        metrics = self.metrics
+        metrics.reads.inc(len(reads))
+        metrics.read_bytes.inc(total)
+        metrics.memory_hits.inc(hits)
+        if touched:
+            metrics.touched_stored_bytes.inc(touched)
+        if self.readahead_sectors:
+            # Adjacent reads as one: a read-ahead window's requests, answered in any order.
+            merged: list[list[int]] = []
+            for offset, length in sorted(reads):
+                if merged and offset <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], offset + length)
+                else:
+                    merged.append([offset, offset + length])
+            for offset, end in merged:
+                self._follow(offset, end)
 
     def _remember_one(self, n: int, data: SectorBytes) -> None:
         with self._lock:
             self._memory[n] = data
             self._memory.move_to_end(n)
+            if self._mirror is not None:
+                self._mirror.put(n, data)
             self._evict()
 
     def _remember(
@@ -285,6 +355,8 @@ class BlockReader:
             for n, data in fetched.items():
                 self._memory[n] = data
                 self._memory.move_to_end(n)
+                if self._mirror is not None:
+                    self._mirror.put(n, data)
                 _, lo, hi = spans[n]
                 self._used[n] = self._used.get(n, 0) + hi - lo
             self._evict()
@@ -294,6 +366,8 @@ class BlockReader:
         while len(self._memory) > self.memory_sectors:
             n, _ = self._memory.popitem(last=False)
             self._used.pop(n, None)
+            if self._mirror is not None:
+                self._mirror.drop(n)
 
     # --- sequential read-ahead ------------------------------------------------------------
 

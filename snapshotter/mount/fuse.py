@@ -7,7 +7,10 @@ reads of one immutable file, never a lookup storm of the image's own files.
 ``BlockFile`` is what the file holds: each read is one ``BlockReader.read_parts``, whose
 views (sector memory, the thread's scratch the node cache was read into, sectors just
 fetched) go to the kernel as they are, in one ``writev``
-(``snapshotter.mount.fusewire``, the protocol on /dev/fuse). A ``SnapshotterError`` becomes
+(``snapshotter.mount.fusewire``, the protocol on /dev/fuse). Where the compiled loop is
+built (``snapshotter.mount._fastreads``), the reader mirrors the sectors it keeps in memory
+into its table, and a READ of those alone is answered there, without the interpreter; its
+log comes back through ``drain`` into the same bookkeeping. A ``SnapshotterError`` becomes
 its errno (EIO for fetch failures); anything unexpected becomes EIO with the traceback
 logged. It also keeps the startup profile: the byte ranges read, in first-access order.
 The loop device's requests are cut at a multiple of ``fusewire.MAX_READ``
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +31,7 @@ from imagetool.profile import Profile
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import Counter
-from snapshotter.mount.fusewire import FuseServer, ReadError
+from snapshotter.mount.fusewire import MAX_READ, FuseServer, ReadError, _fastreads
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,15 @@ BLOCK = 4096
 # Reads kept for the profile at most (block-aligned reads of new blocks only: a 10 GB image
 # has 2.6 million blocks, a startup reads a few thousand times).
 MAX_PROFILE_RANGES = 1 << 20
+# Set to 0, the FUSE threads answer every READ in Python, the compiled loop
+# (``snapshotter.mount._fastreads``) left unused: for comparing the two, or ruling it out.
+COMPILED_READS_ENV = "LAZYBLOCK_COMPILED_READS"
+
+
+def compiled_reads_wanted() -> bool:
+    """Whether READs may be answered by the compiled loop: it is built and not turned off
+    (``COMPILED_READS_ENV``)."""
+    return _fastreads is not None and os.environ.get(COMPILED_READS_ENV, "1") != "0"
 
 
 class BlockFile:
@@ -54,6 +67,18 @@ class BlockFile:
         self._seen = bytearray(-(-reader.size // BLOCK))
         self._ranges: list[tuple[int, int]] = []
         self._touched_lock = threading.Lock()
+        # The reader's sectors in memory, for the FUSE threads to answer READs from without
+        # the interpreter (``fusewire.FileSource``); None where there is no such memory or
+        # no compiled loop.
+        self.fast = None
+        if reader.memory_sectors and compiled_reads_wanted():
+            # Its log comes back every sector's worth of READs: read-ahead moves along as
+            # often as when each READ was answered here.
+            drain = max(2, reader.index.sector_size // MAX_READ)
+            self.fast = _fastreads.Memory(reader.index.sector_size, reader.size, drain)
+            reader.mirror_memory(self.fast)
+            # A READ of a sector being fetched waits there for it, not in Python.
+            reader.fetcher.watch_flights(self.fast)
 
     @property
     def size(self) -> int:
@@ -72,6 +97,18 @@ class BlockFile:
             raise ReadError(errno.EIO) from None
         self._record(offset, sum(len(p) for p in parts))
         return parts
+
+    def drain(self) -> None:
+        """Take the READs the compiled loop answered since the last drain into the
+        bookkeeping a READ answered here gets: the profile and the reader's."""
+        if self.fast is None:
+            return
+        reads = self.fast.drain()
+        if not reads:
+            return
+        for offset, length in reads:
+            self._record(offset, length)
+        self.reader.account_served(reads)
 
     def _record(self, offset: int, length: int) -> None:
         if length <= 0:
@@ -92,6 +129,7 @@ class BlockFile:
     def touched_profile(self) -> Profile:
         """The files read so far, in first-access order, with the ranges of each read
         (``imagetool.profile.from_reads``)."""
+        self.drain()
         with self._touched_lock:
             ranges = list(self._ranges)
         return profiles.from_reads(ranges, self.reader.index.files_in_range)

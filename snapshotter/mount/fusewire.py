@@ -55,6 +55,11 @@ from typing import Protocol
 
 from snapshotter.errors import SnapshotterError
 
+try:  # READs answered from sector memory without the interpreter (see its source)
+    from snapshotter.mount import _fastreads
+except ImportError:  # not built: every request is answered in Python
+    _fastreads = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 # Opcodes (enum fuse_opcode).
@@ -122,7 +127,10 @@ class ReadError(Exception):
 
 
 class FileSource(Protocol):
-    """What the one file holds: its size, and its bytes."""
+    """What the one file holds: its size, and its bytes. A source may also have ``fast``, a
+    ``snapshotter.mount._fastreads.Memory`` of the bytes it keeps in memory (or None), whose
+    READs the FUSE threads then answer without the interpreter; and ``drain()``, which takes
+    the log of those READs into its bookkeeping."""
 
     @property
     def size(self) -> int: ...
@@ -159,8 +167,10 @@ class FuseServer:
         # What INIT settled (minor, flags, max_readahead): given for an adopted connection.
         self.negotiated: dict[str, int] = dict(negotiated or {})
         self._fd = fd  # an adopted connection's /dev/fuse descriptor, or -1 until mounted
-        self.resent = 0  # requests that came back through a resend
+        self._resent = 0  # requests that came back through a resend
         self._in_flight = 0  # requests read and not yet answered
+        # READs answered from sector memory in compiled code (None: all in Python)
+        self._fast = getattr(source, "fast", None)
         self._lock = threading.Lock()
         now = int(time.time())
         size = source.size
@@ -205,7 +215,17 @@ class FuseServer:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._in_flight + (self._fast.in_flight if self._fast is not None else 0)
+
+    @property
+    def resent(self) -> int:
+        """Requests that came back through a resend (``resend``) and were answered."""
+        return self._resent + (self._fast.resent if self._fast is not None else 0)
+
+    @property
+    def compiled_reads(self) -> int:
+        """READs answered from sector memory without the interpreter."""
+        return self._fast.served if self._fast is not None else 0
 
     def resend(self) -> None:
         """Have the kernel queue again the requests read from this connection and never
@@ -238,22 +258,30 @@ class FuseServer:
         view = memoryview(buf)
         scratch = _aligned_buffer(self.scratch_bytes)
         fd = self._fd
+        fast = self._fast
         unpack_in = IN_HEADER.unpack_from
         while True:
-            try:
-                n = os.readv(fd, [buf])
-            except OSError as e:
-                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                    continue  # interrupted, or a request withdrawn before we read it
-                if e.errno == errno.ENODEV:
-                    return  # unmounted
-                log.exception("reading /dev/fuse failed")
-                return
+            if fast is not None:
+                n = self._next_for_python(fast, fd, buf)
+                if n is None:
+                    return
+            else:
+                try:
+                    n = os.readv(fd, [buf])
+                except OSError as e:
+                    if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                        continue  # interrupted, or a request withdrawn before we read it
+                    if e.errno == errno.ENODEV:
+                        return  # unmounted
+                    log.exception("reading /dev/fuse failed")
+                    return
             _, opcode, unique, nodeid, *_ = unpack_in(buf)
             with self._lock:
                 self._in_flight += 1
                 if unique & UNIQUE_RESEND:
-                    self.resent += 1
+                    self._resent += 1
+            if fast is not None:
+                fast.handed()  # counted here from now on
             try:
                 if opcode == READ:
                     self._read(fd, unique, view, scratch)
@@ -266,6 +294,27 @@ class FuseServer:
             finally:
                 with self._lock:
                     self._in_flight -= 1
+
+    def _next_for_python(self, fast: object, fd: int, buf: bytearray) -> int | None:
+        """Have the compiled loop answer what it can (``_fastreads.Memory.serve``); the
+        length of the next request for Python, in ``buf``, or None once unmounted."""
+        while True:
+            try:
+                status, n = fast.serve(fd, buf)  # type: ignore[attr-defined]
+            except OSError:
+                log.exception("reading /dev/fuse failed")
+                return None
+            if status == _fastreads.REQUEST:
+                # The reads answered so far go into the source's bookkeeping first: a READ
+                # answered here moves read-ahead along as one answered in Python does.
+                self.source.drain()  # type: ignore[attr-defined]
+                return n
+            if status == _fastreads.DRAIN:
+                self.source.drain()  # type: ignore[attr-defined]
+            elif status == _fastreads.ENDED:
+                return None
+            else:  # REPLY_FAILED, n its errno
+                log.error("answering a FUSE read failed: %s", os.strerror(n))
 
     def _read(self, fd: int, unique: int, request: memoryview, scratch: memoryview) -> None:
         _, offset, size, *_ = READ_IN.unpack_from(request, IN_HEADER.size)

@@ -16,11 +16,12 @@ import mountimages as images
 import pytest
 from itool import imagetool, snapshot
 from mounthelp import drop_caches, snapshotter, with_store_options
+from support import require
 
 from imagetool import profile as profiles
 from imagetool.image import open_image
 from snapshotter.cache.sectors import cache_usage
-from snapshotter.mount import api, kernel
+from snapshotter.mount import api, fuse, kernel
 from snapshotter.prometheus import exposition
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
@@ -30,10 +31,17 @@ def _cli_args(cfg) -> list[str]:  # noqa: ANN001
     return ["--state-dir", str(cfg.state_dir), "--cache-dir", str(cfg.cache_dir)]
 
 
-@pytest.mark.parametrize("backing", ["file", "loop"])
+@pytest.mark.parametrize(
+    ("backing", "reads"), [("file", "compiled"), ("loop", "compiled"), ("loop", "python")]
+)
 def test_mount_directory_store_matches_the_source_tree(
-    backing, config, umoci_source, umoci_dir_ref, tmp_path
+    backing, reads, config, umoci_source, umoci_dir_ref, tmp_path, monkeypatch
 ) -> None:  # noqa: ANN001
+    # READs of sectors in memory answered by the compiled loop, or all of them in Python
+    if reads == "compiled":
+        require(fuse.compiled_reads_wanted(), "snapshotter.mount._fastreads is not built")
+    else:
+        monkeypatch.setenv(fuse.COMPILED_READS_ENV, "0")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     res = snapshotter("mount", umoci_dir_ref, str(mnt), "--backing", backing,
@@ -51,6 +59,9 @@ def test_mount_directory_store_matches_the_source_tree(
     assert int(read_ahead) == config.kernel_read_ahead_kb
     fetch = m["stats"]["fetch"]
     assert fetch["sectors_fetched"] > 0 and fetch["fetch_errors"] == 0
+    compiled = m["stats"]["reads"]["compiled"]
+    assert compiled > 0 if reads == "compiled" else compiled == 0, compiled
+    assert fetch["reads"] >= compiled and fetch["memory_hits"] >= compiled
     assert fetch["fetch_latency"]["p50"] is not None
     assert status["cache"]["entries"] == fetch["sectors_fetched"]
 

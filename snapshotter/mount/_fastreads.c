@@ -1,0 +1,616 @@
+/* FUSE reads answered from sector memory without the interpreter: the compiled half of
+ * snapshotter.mount.fusewire's request loop (which works without it, in Python alone).
+ *
+ * A cold sequential pass over an image sends the mount server one FUSE READ per MiB. Four
+ * in five of them find their sector already decoded in the reader's memory (fetched
+ * ahead); the others find it being fetched. In Python each READ cost the interpreter and
+ * its lock: reading the request, mapping it to sectors, waiting for a fetch and taking the
+ * lock back after it, the reader's bookkeeping, the profile, the answer. Here a FUSE thread
+ * reads requests from /dev/fuse and answers every READ whose sectors are all in ``Memory``
+ * (a table of the buffers the reader keeps, which the reader mirrors as it adds and evicts
+ * them) with one writev of the header and those buffers, the lock released throughout. A
+ * READ of sectors that are being fetched now (``pending``, from the fetcher's workers)
+ * waits here, up to ``wait_seconds``, for their ``put``. Anything else (another request, a
+ * READ of a sector nobody fetches, a wait that ran out) goes back to the Python caller,
+ * which handles it as before, deadlines and errors included. The READs answered here are
+ * logged; every ``drain_every`` of them the call returns so that the caller hands the log
+ * to the reader's bookkeeping (its streams and read-ahead, the startup profile, metrics).
+ *
+ * Only verified bytes are in the table: the reader puts there what it keeps in memory,
+ * sectors the fetcher decoded and checked (or zeros). A buffer replaced or dropped while a
+ * thread is writing from it stays alive until that write ends (pinned); it is released
+ * with the interpreter's lock held, at the next call into this module.
+ *
+ * The wire format is the kernel's uapi header linux/fuse.h (fuse_in_header,
+ * fuse_read_in, fuse_out_header), as in fusewire.py.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FUSE_READ 15
+#define IN_HEADER 40 /* fuse_in_header */
+#define READ_IN 40   /* fuse_read_in */
+#define OUT_HEADER 16
+#define UNIQUE_RESEND (1ULL << 63)
+/* Sectors one READ may span and still be answered here (a 1 MiB READ over 64 KiB sectors
+ * spans 17); more go to Python. */
+#define MAX_PIECES 32
+
+/* What ``serve`` returns (with a byte count). */
+enum { ST_REQUEST = 0, ST_DRAIN = 1, ST_ENDED = 2, ST_REPLY_FAILED = 3 };
+
+typedef struct held {
+    Py_buffer view;
+    int pins;          /* threads writing from it now */
+    int dead;          /* out of the table: release once unpinned */
+    struct held *next; /* in the graveyard */
+} held;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t arrived; /* a sector was put, or its fetch ended */
+    int mu_ready;
+    uint64_t sector_size, image_size, count;
+    held **slots;
+    unsigned char *pending; /* being fetched now: a READ of it waits here for it */
+    long wait_ns;           /* ... at most this long, then goes to Python */
+    held *graveyard;     /* dead and unpinned: to release with the lock held */
+    uint64_t *log;       /* (offset, length) of each READ answered here, in order */
+    size_t log_len, log_cap, drain_every;
+    uint64_t served, served_bytes, resent;
+    int64_t in_flight;   /* requests read here and not yet answered or handed over */
+} Memory;
+
+static uint64_t span_of(Memory *self, uint64_t n) {
+    uint64_t start = n * self->sector_size;
+    uint64_t left = self->image_size - start;
+    return left < self->sector_size ? left : self->sector_size;
+}
+
+/* Release the buffers of the graveyard: the interpreter's lock is held. */
+static void bury(Memory *self) {
+    held *dead;
+    pthread_mutex_lock(&self->mu);
+    dead = self->graveyard;
+    self->graveyard = NULL;
+    pthread_mutex_unlock(&self->mu);
+    while (dead != NULL) {
+        held *next = dead->next;
+        PyBuffer_Release(&dead->view);
+        PyMem_RawFree(dead);
+        dead = next;
+    }
+}
+
+/* Take ``old`` out of use (mutex held): released now if nobody writes from it, else by
+ * the last writer's unpin. Returns it if the caller must release it (after unlocking). */
+static held *retire(held *old) {
+    if (old == NULL) {
+        return NULL;
+    }
+    old->dead = 1;
+    return old->pins == 0 ? old : NULL;
+}
+
+static void release_now(held *h) {
+    if (h != NULL) {
+        PyBuffer_Release(&h->view);
+        PyMem_RawFree(h);
+    }
+}
+
+static int Memory_init(Memory *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"sector_size", "image_size", "drain_every", "log_capacity",
+                             "wait_seconds", NULL};
+    unsigned long long sector_size, image_size;
+    Py_ssize_t drain_every = 4, log_capacity = 4096;
+    double wait_seconds = 0.25;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KK|nnd", kwlist, &sector_size, &image_size,
+                                     &drain_every, &log_capacity, &wait_seconds)) {
+        return -1;
+    }
+    if (!(wait_seconds >= 0 && wait_seconds <= 60)) {
+        PyErr_SetString(PyExc_ValueError, "wait_seconds must be within [0, 60]");
+        return -1;
+    }
+    self->wait_ns = (long)(wait_seconds * 1e9);
+    if (self->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Memory is initialised once");
+        return -1;
+    }
+    if (sector_size == 0 || drain_every < 1 || log_capacity < drain_every) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sector_size > 0 and 1 <= drain_every <= log_capacity are required");
+        return -1;
+    }
+    self->sector_size = sector_size;
+    self->image_size = image_size;
+    self->count = (image_size + sector_size - 1) / sector_size;
+    self->slots = PyMem_RawCalloc(self->count ? self->count : 1, sizeof(held *));
+    self->pending = PyMem_RawCalloc(self->count ? self->count : 1, 1);
+    self->log = PyMem_RawMalloc(2 * (size_t)log_capacity * sizeof(uint64_t));
+    if (self->slots == NULL || self->pending == NULL || self->log == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->log_cap = (size_t)log_capacity;
+    self->drain_every = (size_t)drain_every;
+    pthread_condattr_t attr;
+    if (pthread_mutex_init(&self->mu, NULL) != 0 || pthread_condattr_init(&attr) != 0 ||
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
+        pthread_cond_init(&self->arrived, &attr) != 0) {
+        PyErr_SetString(PyExc_OSError, "cannot make a mutex and condition variable");
+        return -1;
+    }
+    pthread_condattr_destroy(&attr);
+    self->mu_ready = 1;
+    return 0;
+}
+
+static void Memory_dealloc(Memory *self) {
+    if (self->slots != NULL) {
+        for (uint64_t n = 0; n < self->count; n++) {
+            release_now(self->slots[n]); /* no serve() runs: it holds a reference */
+        }
+        PyMem_RawFree(self->slots);
+    }
+    if (self->mu_ready) {
+        bury(self);
+        pthread_cond_destroy(&self->arrived);
+        pthread_mutex_destroy(&self->mu);
+    }
+    PyMem_RawFree(self->pending);
+    PyMem_RawFree(self->log);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int check_ready(Memory *self) {
+    if (self->slots == NULL || !self->mu_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Memory is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_sector(Memory *self, unsigned long long n) {
+    if (n >= self->count) {
+        PyErr_Format(PyExc_IndexError, "sector %llu of %llu", n,
+                     (unsigned long long)self->count);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(put_doc, "put(n, buffer): sector n's verified bytes are in ``buffer`` (at least "
+                      "the sector's length), until it is dropped or replaced.");
+
+static PyObject *Memory_put(Memory *self, PyObject *args) {
+    unsigned long long n;
+    PyObject *obj;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "KO", &n, &obj) ||
+        check_sector(self, n) < 0) {
+        return NULL;
+    }
+    held *h = PyMem_RawCalloc(1, sizeof(held));
+    if (h == NULL) {
+        return PyErr_NoMemory();
+    }
+    if (PyObject_GetBuffer(obj, &h->view, PyBUF_SIMPLE) < 0) {
+        PyMem_RawFree(h);
+        return NULL;
+    }
+    if ((uint64_t)h->view.len < span_of(self, n)) {
+        PyBuffer_Release(&h->view);
+        PyMem_RawFree(h);
+        return PyErr_Format(PyExc_ValueError, "sector %llu has %llu bytes, the buffer %zd", n,
+                            (unsigned long long)span_of(self, n), h->view.len);
+    }
+    pthread_mutex_lock(&self->mu);
+    held *old = retire(self->slots[n]);
+    self->slots[n] = h;
+    self->pending[n] = 0;
+    pthread_cond_broadcast(&self->arrived);
+    pthread_mutex_unlock(&self->mu);
+    release_now(old);
+    bury(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pending_doc, "pending(n): sector n is being fetched: a READ of it waits for its "
+                          "put() (up to wait_seconds) instead of going to Python.");
+
+static PyObject *Memory_pending(Memory *self, PyObject *args) {
+    unsigned long long n;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&self->mu);
+    self->pending[n] = 1;
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(settled_doc, "settled(n): sector n's fetch ended (put() came first if it "
+                          "succeeded): READs waiting for it stop waiting.");
+
+static PyObject *Memory_settled(Memory *self, PyObject *args) {
+    unsigned long long n;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&self->mu);
+    if (self->pending[n]) {
+        self->pending[n] = 0;
+        pthread_cond_broadcast(&self->arrived);
+    }
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(drop_doc, "drop(n): sector n is no longer in memory.");
+
+static PyObject *Memory_drop(Memory *self, PyObject *args) {
+    unsigned long long n;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&self->mu);
+    held *old = retire(self->slots[n]);
+    self->slots[n] = NULL;
+    pthread_mutex_unlock(&self->mu);
+    release_now(old);
+    bury(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(clear_doc, "clear(): no sector is in memory.");
+
+static PyObject *Memory_clear(Memory *self, PyObject *unused) {
+    if (check_ready(self) < 0) {
+        return NULL;
+    }
+    for (uint64_t n = 0; n < self->count; n++) {
+        pthread_mutex_lock(&self->mu);
+        held *old = retire(self->slots[n]);
+        self->slots[n] = NULL;
+        pthread_mutex_unlock(&self->mu);
+        release_now(old);
+    }
+    pthread_mutex_lock(&self->mu);
+    memset(self->pending, 0, self->count);
+    pthread_cond_broadcast(&self->arrived);
+    pthread_mutex_unlock(&self->mu);
+    bury(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(drain_doc, "drain() -> [(offset, length), ...]: the READs answered here since "
+                        "the last drain, in the order they were answered.");
+
+static PyObject *Memory_drain(Memory *self, PyObject *unused) {
+    if (check_ready(self) < 0) {
+        return NULL;
+    }
+    uint64_t local[2 * 64];
+    uint64_t *copy = local;
+    size_t len;
+    pthread_mutex_lock(&self->mu);
+    len = self->log_len;
+    if (len > 64) {
+        copy = PyMem_RawMalloc(2 * len * sizeof(uint64_t));
+        if (copy == NULL) {
+            pthread_mutex_unlock(&self->mu);
+            return PyErr_NoMemory();
+        }
+    }
+    memcpy(copy, self->log, 2 * len * sizeof(uint64_t));
+    self->log_len = 0;
+    pthread_mutex_unlock(&self->mu);
+    bury(self);
+    PyObject *out = PyList_New((Py_ssize_t)len);
+    for (size_t i = 0; out != NULL && i < len; i++) {
+        PyObject *item = Py_BuildValue("(KK)", (unsigned long long)copy[2 * i],
+                                       (unsigned long long)copy[2 * i + 1]);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    if (copy != local) {
+        PyMem_RawFree(copy);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(handed_doc, "handed(): the Python caller took over the request ``serve`` "
+                         "returned (it counts it in flight from now on).");
+
+static PyObject *Memory_handed(Memory *self, PyObject *unused) {
+    __atomic_sub_fetch(&self->in_flight, 1, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+/* Mutex held: whether sectors [first, first+count) are all in the table (then in
+ * ``pieces``), waiting up to ``wait_ns`` while those missing are all being fetched. */
+static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces) {
+    struct timespec deadline = {0, 0};
+    for (;;) {
+        if (self->log_len >= self->log_cap) {
+            return 0; /* Python drains it first */
+        }
+        int whole = 1, waitable = 1;
+        for (uint64_t i = 0; i < count; i++) {
+            pieces[i] = self->slots[first + i];
+            if (pieces[i] == NULL) {
+                whole = 0;
+                waitable = waitable && self->pending[first + i];
+            }
+        }
+        if (whole) {
+            return 1;
+        }
+        if (!waitable || self->wait_ns == 0) {
+            return 0;
+        }
+        if (deadline.tv_sec == 0 && deadline.tv_nsec == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &deadline);
+            deadline.tv_nsec += self->wait_ns % 1000000000L;
+            deadline.tv_sec += self->wait_ns / 1000000000L + deadline.tv_nsec / 1000000000L;
+            deadline.tv_nsec %= 1000000000L;
+        }
+        if (pthread_cond_timedwait(&self->arrived, &self->mu, &deadline) == ETIMEDOUT) {
+            return 0; /* Python waits on, with its own deadline */
+        }
+    }
+}
+
+/* Answer READs from the table until a request must go to Python; the interpreter's lock is
+ * not held. Returns a status; *got: the request's length for ST_REQUEST; *err: the errno. */
+static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssize_t *got,
+                      int *err) {
+    held *pieces[MAX_PIECES];
+    struct iovec iov[MAX_PIECES + 1];
+    for (;;) {
+        ssize_t n = read(fd, buf, size);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT) {
+                continue; /* interrupted, or a request withdrawn before we read it */
+            }
+            if (errno == ENODEV) {
+                return ST_ENDED; /* unmounted */
+            }
+            *err = errno;
+            return -1;
+        }
+        if (n == 0) {
+            return ST_ENDED; /* /dev/fuse never reads as empty; a socket at its end does */
+        }
+        __atomic_add_fetch(&self->in_flight, 1, __ATOMIC_SEQ_CST);
+        *got = n;
+        uint32_t opcode;
+        uint64_t unique, offset;
+        uint32_t length;
+        if (n < IN_HEADER + READ_IN) {
+            return ST_REQUEST;
+        }
+        memcpy(&opcode, buf + 4, 4);
+        if (opcode != FUSE_READ) {
+            return ST_REQUEST;
+        }
+        memcpy(&unique, buf + 8, 8);
+        memcpy(&offset, buf + IN_HEADER + 8, 8);
+        memcpy(&length, buf + IN_HEADER + 16, 4);
+        if (length == 0 || offset >= self->image_size) {
+            return ST_REQUEST; /* past the end: Python answers those */
+        }
+        uint64_t end = self->image_size - offset < length ? self->image_size : offset + length;
+        uint64_t first = offset / self->sector_size, last = (end - 1) / self->sector_size;
+        uint64_t count = last - first + 1;
+        if (count > MAX_PIECES) {
+            return ST_REQUEST;
+        }
+        pthread_mutex_lock(&self->mu);
+        if (!have_or_wait(self, first, count, pieces)) {
+            pthread_mutex_unlock(&self->mu);
+            return ST_REQUEST;
+        }
+        for (uint64_t i = 0; i < count; i++) {
+            pieces[i]->pins++;
+        }
+        pthread_mutex_unlock(&self->mu);
+
+        uint32_t out_len = (uint32_t)(OUT_HEADER + (end - offset));
+        int32_t error = 0;
+        unsigned char header[OUT_HEADER];
+        memcpy(header, &out_len, 4);
+        memcpy(header + 4, &error, 4);
+        memcpy(header + 8, &unique, 8);
+        iov[0].iov_base = header;
+        iov[0].iov_len = OUT_HEADER;
+        for (uint64_t i = 0; i < count; i++) {
+            uint64_t start = (first + i) * self->sector_size;
+            uint64_t lo = (offset > start ? offset : start) - start;
+            uint64_t stop = start + span_of(self, first + i);
+            uint64_t hi = (end < stop ? end : stop) - start;
+            iov[i + 1].iov_base = (unsigned char *)pieces[i]->view.buf + lo;
+            iov[i + 1].iov_len = hi - lo;
+        }
+        ssize_t wrote = writev(fd, iov, (int)count + 1);
+        int werr = wrote < 0 ? errno : 0;
+
+        pthread_mutex_lock(&self->mu);
+        for (uint64_t i = 0; i < count; i++) {
+            held *h = pieces[i];
+            if (--h->pins == 0 && h->dead) {
+                h->next = self->graveyard;
+                self->graveyard = h;
+            }
+        }
+        /* Logged even when the kernel no longer wanted it (ENOENT): it was asked for. */
+        self->log[2 * self->log_len] = offset;
+        self->log[2 * self->log_len + 1] = end - offset;
+        self->log_len++;
+        self->served++;
+        self->served_bytes += end - offset;
+        if (unique & UNIQUE_RESEND) {
+            self->resent++;
+        }
+        int drain = self->log_len >= self->drain_every;
+        pthread_mutex_unlock(&self->mu);
+        __atomic_sub_fetch(&self->in_flight, 1, __ATOMIC_SEQ_CST);
+
+        if (werr == ENODEV) {
+            return ST_ENDED;
+        }
+        if (werr != 0 && werr != ENOENT) { /* ENOENT: withdrawn (interrupted, reader died) */
+            *err = werr;
+            return ST_REPLY_FAILED;
+        }
+        if (drain) {
+            return ST_DRAIN;
+        }
+    }
+}
+
+PyDoc_STRVAR(serve_doc,
+             "serve(fd, buffer) -> (status, n): read requests from ``fd`` into ``buffer`` and "
+             "answer the READs this table can, until one of: 0, a request for the caller "
+             "(its n bytes in ``buffer``; call handed() once it counts it); 1, the log "
+             "wants a drain(); 2, the connection ended (unmounted); 3, an answer could not "
+             "be written (n: its errno). Raises OSError when reading ``fd`` fails.");
+
+static PyObject *Memory_serve(Memory *self, PyObject *args) {
+    int fd;
+    Py_buffer buf;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "iw*", &fd, &buf)) {
+        return NULL;
+    }
+    ssize_t got = 0;
+    int err = 0, status;
+    Py_BEGIN_ALLOW_THREADS
+    status = serve_loop(self, fd, buf.buf, (size_t)buf.len, &got, &err);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    bury(self);
+    if (status < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (status == ST_REPLY_FAILED) {
+        got = err;
+    } else if (status != ST_REQUEST) {
+        got = 0;
+    }
+    return Py_BuildValue("(in)", status, got);
+}
+
+static PyObject *Memory_get_in_flight(Memory *self, void *closure) {
+    return PyLong_FromLongLong(__atomic_load_n(&self->in_flight, __ATOMIC_SEQ_CST));
+}
+
+static PyObject *counter(Memory *self, uint64_t *field) {
+    pthread_mutex_lock(&self->mu);
+    uint64_t value = *field;
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+static PyObject *Memory_get_served(Memory *self, void *c) {
+    return check_ready(self) < 0 ? NULL : counter(self, &self->served);
+}
+
+static PyObject *Memory_get_served_bytes(Memory *self, void *c) {
+    return check_ready(self) < 0 ? NULL : counter(self, &self->served_bytes);
+}
+
+static PyObject *Memory_get_resent(Memory *self, void *c) {
+    return check_ready(self) < 0 ? NULL : counter(self, &self->resent);
+}
+
+static PyObject *Memory_get_sectors(Memory *self, void *c) {
+    if (check_ready(self) < 0) {
+        return NULL;
+    }
+    uint64_t in = 0;
+    pthread_mutex_lock(&self->mu);
+    for (uint64_t n = 0; n < self->count; n++) {
+        in += self->slots[n] != NULL;
+    }
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromUnsignedLongLong(in);
+}
+
+static PyGetSetDef Memory_getset[] = {
+    {"in_flight", (getter)Memory_get_in_flight, NULL, "requests read and not yet answered",
+     NULL},
+    {"served", (getter)Memory_get_served, NULL, "READs answered here", NULL},
+    {"served_bytes", (getter)Memory_get_served_bytes, NULL, "bytes those READs answered",
+     NULL},
+    {"resent", (getter)Memory_get_resent, NULL, "resent READs (FUSE_NOTIFY_RESEND) answered here",
+     NULL},
+    {"sectors", (getter)Memory_get_sectors, NULL, "sectors in the table", NULL},
+    {NULL},
+};
+
+static PyMethodDef Memory_methods[] = {
+    {"put", (PyCFunction)Memory_put, METH_VARARGS, put_doc},
+    {"drop", (PyCFunction)Memory_drop, METH_VARARGS, drop_doc},
+    {"pending", (PyCFunction)Memory_pending, METH_VARARGS, pending_doc},
+    {"settled", (PyCFunction)Memory_settled, METH_VARARGS, settled_doc},
+    {"clear", (PyCFunction)Memory_clear, METH_NOARGS, clear_doc},
+    {"drain", (PyCFunction)Memory_drain, METH_NOARGS, drain_doc},
+    {"handed", (PyCFunction)Memory_handed, METH_NOARGS, handed_doc},
+    {"serve", (PyCFunction)Memory_serve, METH_VARARGS, serve_doc},
+    {NULL},
+};
+
+static PyTypeObject MemoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "snapshotter.mount._fastreads.Memory",
+    .tp_doc = PyDoc_STR("Memory(sector_size, image_size, drain_every=4, log_capacity=4096, "
+                        "wait_seconds=0.25): the sectors a mount's reader keeps in memory, "
+                        "for FUSE READs answered without the interpreter."),
+    .tp_basicsize = sizeof(Memory),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Memory_init,
+    .tp_dealloc = (destructor)Memory_dealloc,
+    .tp_methods = Memory_methods,
+    .tp_getset = Memory_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "snapshotter.mount._fastreads",
+    "FUSE READs answered from sector memory without the interpreter (see the source).", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastreads(void) {
+    if (PyType_Ready(&MemoryType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&MemoryType);
+    if (PyModule_AddObject(m, "Memory", (PyObject *)&MemoryType) < 0) {
+        Py_DECREF(&MemoryType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "REQUEST", ST_REQUEST);
+    PyModule_AddIntConstant(m, "DRAIN", ST_DRAIN);
+    PyModule_AddIntConstant(m, "ENDED", ST_ENDED);
+    PyModule_AddIntConstant(m, "REPLY_FAILED", ST_REPLY_FAILED);
+    return m;
+}
