@@ -17,6 +17,12 @@ reads from memory costs 0.15-0.3 CPU-s per GB this way (the kernel's copy into t
 cache), where libfuse's path cost the mount server ~1 CPU-s per GB more than the work of the
 data path itself (``benchmarks/mount/results/README.md``).
 
+The compiled loop (``snapshotter.mount._fastreads``, where it is built). A source that has a
+``fast`` table (``FileSource``) has its READs of sectors in memory, or being fetched,
+answered in C: each FUSE thread calls ``Memory.serve``, which reads requests and answers
+those without the interpreter, and returns the others here (``_next_for_python``), along
+with its log of answered READs for the source's bookkeeping (``drain``).
+
 Requests: INIT (once; asks for asynchronous reads, asynchronous direct I/O and 1 MiB
 requests), LOOKUP, GETATTR,
 OPEN (the file's pages may stay cached: it never changes), READ, RELEASE, FLUSH, STATFS,

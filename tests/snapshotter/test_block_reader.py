@@ -255,3 +255,60 @@ def test_read_ahead_nobody_waits_for_is_cancelled(
     store.release()
     waiter.join(5)
     assert image.index.sectors[9].checksum in fetcher.cache
+
+
+class _Mirror:
+    """A copy of a reader's memory, as the compiled loop's table keeps it."""
+
+    def __init__(self) -> None:
+        self.sectors: dict[int, bytes] = {}
+
+    def put(self, n: int, data: object) -> None:
+        self.sectors[n] = bytes(data)  # type: ignore[call-overload]
+
+    def drop(self, n: int) -> None:
+        del self.sectors[n]
+
+    def clear(self) -> None:
+        self.sectors.clear()
+
+
+def test_the_mirror_of_memory_holds_what_memory_holds(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    reader = BlockReader(image.index, make_fetcher(), memory_sectors=3, readahead_bytes=0)
+    reader.read(0, 10)  # in memory before the mirror: copied over
+    mirror = _Mirror()
+    reader.mirror_memory(mirror)
+    for n in (1, 2, 3, 4, 5):
+        reader.read(n * SECTOR, 10)
+    with reader._lock:
+        held = dict(reader._memory)
+    assert sorted(mirror.sectors) == sorted(held) and len(held) == 3
+    for n, data in mirror.sectors.items():
+        assert data == image.data[n * SECTOR : n * SECTOR + len(data)]
+    reader.drop_memory()
+    assert mirror.sectors == {}
+
+
+def test_reads_answered_from_the_mirror_are_counted_and_move_read_ahead(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=12, readahead_bytes=8 * SECTOR)
+    reader.mirror_memory(_Mirror())
+    reader.read(0, 10)  # sector 0 in memory
+    metrics = fetcher.metrics
+    reads, hits = metrics.reads.value, metrics.memory_hits.value
+    # a sequential reader's requests for three sectors, answered elsewhere, out of order
+    chunk = SECTOR // 2
+    served = [(o, chunk) for o in range(0, 3 * SECTOR, chunk)]
+    served[1], served[2] = served[2], served[1]
+    reader.account_served(served)
+    assert metrics.reads.value - reads == len(served)
+    assert metrics.memory_hits.value - hits == len(served)
+    assert reader.touched_sectors()[:3] == [0, 1, 2]
+    # they made a stream: the sectors after it are fetched ahead
+    ahead = [n for n in range(3, 9) if not image.index.sectors[n].is_zero]
+    wait_until(lambda: all(image.index.sectors[n].checksum in fetcher.cache for n in ahead))
+    assert fetcher.readahead_sectors.value >= len(ahead)

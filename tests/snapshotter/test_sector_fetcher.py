@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from datapath_support import FAST, Image, entry_path, wait_until
+from datapath_support import FAST, FaultyStore, Image, entry_path, wait_until
 
 from imagetool.format import Index, blob_range
 from imagetool.stores.dir import DirStore
@@ -466,3 +466,27 @@ def test_stalls_are_counted_by_why_the_sector_was_not_there(
     fetcher.get([4], priority=Priority.PREFETCH)
     assert (m.stall_missing_seconds.value, m.stall_late_seconds.value) == (missing, late)
     assert fetcher.metrics.snapshot()["stall_late_seconds"] == late
+
+
+def test_a_flight_watch_sees_each_fetch_start_and_end(
+    image: Image, store: FaultyStore, make_fetcher: Callable[..., SectorFetcher]
+) -> None:
+    events: list[tuple[str, int]] = []
+
+    class Watch:
+        def pending(self, n: int) -> None:
+            events.append(("pending", n))
+
+        def settled(self, n: int) -> None:
+            events.append(("settled", n))
+
+    fetcher = make_fetcher()
+    fetcher.watch_flights(Watch())
+    stored = [n for n, s in enumerate(image.index.sectors) if not s.is_zero]
+    fetcher.get([stored[0]])
+    assert events == [("pending", stored[0]), ("settled", stored[0])]
+    events.clear()
+    store.mode = "down"
+    with pytest.raises(FetchError):
+        fetcher.get([stored[1]], deadline=time.monotonic() + 0.5)
+    assert events[0] == ("pending", stored[1]) and events[-1] == ("settled", stored[1])
