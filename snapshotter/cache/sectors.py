@@ -91,12 +91,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
 import resource
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter as _Multiset
@@ -130,6 +130,9 @@ LAYOUT_VERSION = "v3"
 # Older layouts, taken over when first wanted: v2 held a sector's decoded bytes alone (block
 # digests in memory only), v1 held them zstd-compressed.
 OLD_LAYOUTS = ("v2", "v1")
+# A miss looks for the sector in the older layouts whose directories exist; which exist is
+# looked at again this often (a process of an older version may still make one).
+OLD_LAYOUT_CHECK_SECONDS = 10.0
 # On-disk recency is refreshed at most this often per entry: an mtime update per read would
 # be a metadata write per FUSE request, and the restart order needs no finer clock.
 TOUCH_INTERVAL = 10.0
@@ -194,7 +197,7 @@ class _File:
 
     __slots__ = ("fd", "path", "_buffered")
 
-    def __init__(self, path: Path, direct: bool) -> None:
+    def __init__(self, path: Path | str, direct: bool) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         self._buffered = self.fd if not direct else -1
@@ -310,6 +313,7 @@ class SectorCache:
         self.max_bytes = max_bytes
         self.metrics = CacheMetrics()
         self._dir = self.root / LAYOUT_VERSION
+        self._dir_str = str(self._dir)  # entry paths are made often: as strings, not Paths
         self._wip = self._dir / WIP_DIR
         self._local = self._dir / LOCAL_DIR
         self._lock = threading.Lock()
@@ -328,10 +332,13 @@ class SectorCache:
         self._buffers = _Buffers(POOL_BYTES)
         # (checksum, offset) -> a read-around window's verified bytes, LRU first
         self._windows: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
+        self._old_layouts: list[str] = []  # of OLD_LAYOUTS, those with a directory here
+        self._old_layouts_at = 0.0  # when to look again
         try:
             self._wip.mkdir(parents=True, exist_ok=True)
             self._local.mkdir(exist_ok=True)
             self._shared = SharedUsage(self._dir / USAGE_FILE)
+            self._both = _BothLocks(self._shared, self._lock)
         except OSError as e:
             raise CacheError(f"cannot create sector cache at {self._dir}: {e}") from e
         self._load()
@@ -532,9 +539,12 @@ class SectorCache:
                 self._touch(checksum)
                 return True
             try:
-                path.parent.mkdir(exist_ok=True)
                 replaced = os.path.exists(path)  # another process's copy: counted already
-                os.replace(res.path, path)
+                try:
+                    os.replace(res.path, path)
+                except FileNotFoundError:  # the entry's subdirectory, made on first use
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.replace(res.path, path)
             except OSError as e:
                 self._release(res)
                 self.metrics.put_failures.inc()
@@ -561,7 +571,7 @@ class SectorCache:
         if directory is None or directory + total > self.max_bytes:
             return None
         for attempt in (1, 2):
-            fd, name = tempfile.mkstemp(prefix=f"{WIP_PREFIX}{os.getpid()}-", dir=self._wip)
+            fd, name = self._new_wip_file()
             try:
                 # Blocking: a check for orphans (``_orphaned``) may hold it for an instant.
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -578,6 +588,15 @@ class SectorCache:
         self._usage += total
         self._reserved += total
         return Reservation(Path(name), fd, total)
+
+    def _new_wip_file(self) -> tuple[int, str]:
+        """A new file in ``wip/``, named for this process (``WIP_PREFIX``, pid, a count)."""
+        while True:
+            name = f"{self._wip}/{WIP_PREFIX}{os.getpid()}-{next(_WIP_NAMES)}"
+            try:
+                return os.open(name, _WIP_FLAGS, 0o600), name
+            except FileExistsError:  # left by a dead process of the same pid
+                continue
 
     @staticmethod
     def _allocate(fd: int, size: int) -> None:
@@ -692,8 +711,8 @@ class SectorCache:
 
     # --- internals: reads -----------------------------------------------------------------
 
-    def _path(self, checksum: str) -> Path:
-        return self._dir / checksum[:2] / checksum
+    def _path(self, checksum: str) -> str:
+        return f"{self._dir_str}/{checksum[:2]}/{checksum}"
 
     def _lookup(self, checksum: str) -> _Verified | None:
         """What this process knows of the entry, checking its trailer on first use (and
@@ -900,7 +919,11 @@ class SectorCache:
     def _migrate(self, checksum: str) -> bool:
         """Take over an entry of an older layout: check it against its name, write it as
         this layout, remove the old file."""
-        for layout in OLD_LAYOUTS:
+        now = time.monotonic()
+        if now >= self._old_layouts_at:  # which older layouts are there, looked at seldom
+            self._old_layouts = [x for x in OLD_LAYOUTS if (self.root / x).is_dir()]
+            self._old_layouts_at = now + OLD_LAYOUT_CHECK_SECONDS
+        for layout in self._old_layouts:
             old = self.root / layout / checksum[:2] / checksum
             try:
                 stored = old.read_bytes()
@@ -942,11 +965,9 @@ class SectorCache:
         self._verified.pop(checksum, None)
         self._files.pop(checksum, None)
 
-    @contextlib.contextmanager
-    def _changing(self) -> Iterator[None]:
+    def _changing(self) -> _BothLocks:
         """Both locks, the directory's first: held to install, delete or count an entry."""
-        with self._shared.held(), self._lock:
-            yield
+        return self._both
 
     def _delete(self, checksum: str) -> int:
         """Forget an entry and delete its file; returns the bytes that freed (0 if another
@@ -1175,7 +1196,33 @@ def _orphaned(path: Path) -> bool:
     return True
 
 
-def _unlink(path: Path) -> bool:
+class _BothLocks:
+    """A cache directory's lock and then a process's lock, as one ``with``."""
+
+    __slots__ = ("_shared", "_lock")
+
+    def __init__(self, shared: SharedUsage, lock: threading.Lock) -> None:
+        self._shared = shared
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._shared.held().__enter__()  # (held() is the counter itself)
+        try:
+            self._lock.acquire()
+        except BaseException:
+            self._shared.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._shared.__exit__(None, None, None)
+
+
+_WIP_NAMES = itertools.count()
+_WIP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+def _unlink(path: Path | str) -> bool:
     """Delete a file; whether this call deleted it."""
     try:
         os.unlink(path)

@@ -14,7 +14,6 @@ import fcntl
 import os
 import struct
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -63,22 +62,31 @@ class SharedUsage:
     def _write(self, total: int) -> None:
         os.pwrite(self._fd, usage_bytes(total), 0)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> SharedUsage:
         """Hold the counter against every other process and thread (re-entrant): what is
-        checked against it and counted in it within stays consistent."""
-        with self._lock:
-            if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-                self._owner = threading.get_ident()
-            self._depth += 1
+        checked against it and counted in it within stays consistent. A ``with``."""
+        return self
+
+    def __enter__(self) -> SharedUsage:
+        self._lock.acquire()
+        if self._depth == 0:
             try:
-                yield
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            except BaseException:
+                self._lock.release()
+                raise
+            self._owner = threading.get_ident()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        try:
+            if self._depth == 0:
+                self._owner = None
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def owned(self) -> bool:
         """Whether the calling thread holds the counter."""

@@ -954,3 +954,16 @@ def test_a_window_outlives_its_entry_and_its_place_in_memory(tmp_path: Path) -> 
     # a quiet server gives the windows' memory back; a view still held stays valid
     assert cache.release_windows() == READ_AROUND_WINDOWS * READ_AROUND
     assert cache.release_windows() == 0 and view[0] == data[5000:8000]
+
+
+def test_an_older_layout_made_after_the_cache_opened_is_looked_in(tmp_path: Path) -> None:
+    data = random.Random(17).randbytes(30_000)
+    key = sector_checksum(data)
+    cache = SectorCache(tmp_path, 1 << 20)
+    assert cache.get(key) is None  # no older layout here: not looked for
+    old = tmp_path / "v2" / key[:2] / key
+    old.parent.mkdir(parents=True)
+    old.write_bytes(data)  # by a process of an older version, still running
+    assert cache.get(key) is None  # which layouts exist is looked at again only later...
+    cache._old_layouts_at = 0.0  # ...such as now
+    assert cache.get(key) == data and not old.exists()
