@@ -427,6 +427,17 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
         for (uint64_t i = 0; i < count; i++) {
             pieces[i]->pins++;
         }
+        /* Logged now, while the log has room (have_or_wait saw to it), even if the kernel
+         * no longer wants the answer (ENOENT below): it was asked for. */
+        self->log[2 * self->log_len] = offset;
+        self->log[2 * self->log_len + 1] = end - offset;
+        self->log_len++;
+        self->served++;
+        self->served_bytes += end - offset;
+        if (unique & UNIQUE_RESEND) {
+            self->resent++;
+        }
+        int drain = self->log_len >= self->drain_every;
         pthread_mutex_unlock(&self->mu);
 
         uint32_t out_len = (uint32_t)(OUT_HEADER + (end - offset));
@@ -456,16 +467,6 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
                 self->graveyard = h;
             }
         }
-        /* Logged even when the kernel no longer wanted it (ENOENT): it was asked for. */
-        self->log[2 * self->log_len] = offset;
-        self->log[2 * self->log_len + 1] = end - offset;
-        self->log_len++;
-        self->served++;
-        self->served_bytes += end - offset;
-        if (unique & UNIQUE_RESEND) {
-            self->resent++;
-        }
-        int drain = self->log_len >= self->drain_every;
         pthread_mutex_unlock(&self->mu);
         __atomic_sub_fetch(&self->in_flight, 1, __ATOMIC_SEQ_CST);
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from imagetool.profile import Profile
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import Counter
-from snapshotter.mount.fusewire import MAX_READ, FuseServer, ReadError, _fastreads
+from snapshotter.mount.fusewire import MAX_READ, FuseServer, ReadError, compiled_memory
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +40,6 @@ BLOCK = 4096
 # Reads kept for the profile at most (block-aligned reads of new blocks only: a 10 GB image
 # has 2.6 million blocks, a startup reads a few thousand times).
 MAX_PROFILE_RANGES = 1 << 20
-# Set to 0, the FUSE threads answer every READ in Python, the compiled loop
-# (``snapshotter.mount._fastreads``) left unused: for comparing the two, or ruling it out.
-COMPILED_READS_ENV = "LAZYBLOCK_COMPILED_READS"
-
-
-def compiled_reads_wanted() -> bool:
-    """Whether READs may be answered by the compiled loop: it is built and not turned off
-    (``COMPILED_READS_ENV``)."""
-    return _fastreads is not None and os.environ.get(COMPILED_READS_ENV, "1") != "0"
 
 
 class BlockFile:
@@ -71,11 +61,12 @@ class BlockFile:
         # the interpreter (``fusewire.FileSource``); None where there is no such memory or
         # no compiled loop.
         self.fast = None
-        if reader.memory_sectors and compiled_reads_wanted():
+        if reader.memory_sectors:
             # Its log comes back every sector's worth of READs: read-ahead moves along as
             # often as when each READ was answered here.
             drain = max(2, reader.index.sector_size // MAX_READ)
-            self.fast = _fastreads.Memory(reader.index.sector_size, reader.size, drain)
+            self.fast = compiled_memory(reader.index.sector_size, reader.size, drain)
+        if self.fast is not None:
             reader.mirror_memory(self.fast)
             # A READ of a sector being fetched waits there for it, not in Python.
             reader.fetcher.watch_flights(self.fast)

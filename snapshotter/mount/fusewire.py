@@ -120,6 +120,26 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 
 
+# Set to 0, the FUSE threads answer every READ in Python, the compiled loop
+# (``snapshotter.mount._fastreads``) left unused: for comparing the two, or ruling it out.
+COMPILED_READS_ENV = "LAZYBLOCK_COMPILED_READS"
+
+
+def compiled_reads_wanted() -> bool:
+    """Whether READs may be answered by the compiled loop: it is built and not turned off
+    (``COMPILED_READS_ENV``)."""
+    return _fastreads is not None and os.environ.get(COMPILED_READS_ENV, "1") != "0"
+
+
+def compiled_memory(sector_size: int, image_size: int, drain_every: int) -> object | None:
+    """A table of sectors in memory for the compiled loop to answer READs from
+    (``_fastreads.Memory``, a ``FileSource``'s ``fast``); None where that loop is not built
+    or turned off (``compiled_reads_wanted``)."""
+    if not compiled_reads_wanted():
+        return None
+    return _fastreads.Memory(sector_size, image_size, drain_every)
+
+
 class FuseError(SnapshotterError):
     """The FUSE file system could not be mounted or served."""
 

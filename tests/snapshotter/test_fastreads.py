@@ -6,6 +6,7 @@ answer per write, as /dev/fuse has them), and the test is the kernel on the othe
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import threading
@@ -209,3 +210,73 @@ def test_bad_sectors_and_buffers_are_refused(memory: object) -> None:
     with pytest.raises(ValueError):
         _fastreads.Memory(SECTOR, IMAGE, wait_seconds=-1)
     assert struct.calcsize("<IiQ") == OUT_HEADER.size
+
+
+def test_many_threads_answer_right_while_sectors_come_and_go() -> None:
+    """Four threads serve 2,000 READs while another puts, replaces and drops the sectors:
+    every answer is the image's bytes, from the loop or (a sector out of memory) the
+    caller, and no buffer is released while it is written from (the test would read
+    garbage or crash)."""
+    require(_fastreads is not None, "snapshotter.mount._fastreads is not built (pip install -e .)")
+    memory = _fastreads.Memory(SECTOR, IMAGE, drain_every=8, wait_seconds=0.05)
+    kernel, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    stop = threading.Event()
+    by_caller = 0
+    lock = threading.Lock()
+
+    def serve() -> None:
+        nonlocal by_caller
+        buf = bytearray(fusewire.REQUEST_BUFFER)
+        while True:
+            status, n = memory.serve(server.fileno(), buf)
+            if status == _fastreads.ENDED:
+                return
+            if status == _fastreads.DRAIN:
+                memory.drain()
+                continue
+            assert status == _fastreads.REQUEST, status
+            _, _, unique, *_ = IN_HEADER.unpack_from(buf)
+            _, offset, size, *_ = READ_IN.unpack_from(buf, IN_HEADER.size)
+            data = IMAGE_BYTES[offset : offset + size]
+            memory.handed()
+            server.send(OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique) + data)
+            with lock:
+                by_caller += 1
+
+    def churn() -> None:
+        rng = random.Random(3)
+        while not stop.is_set():
+            n = rng.randrange(4)
+            action = rng.random()
+            if action < 0.5:
+                memory.put(n, bytearray(sector_bytes(n)))  # a new buffer each time
+            elif action < 0.8:
+                memory.drop(n)
+            else:
+                memory.pending(n)
+                memory.settled(n)
+            time.sleep(0.0005)  # the interpreter's lock to the others too
+
+    threads = [threading.Thread(target=serve) for _ in range(4)] + [threading.Thread(target=churn)]
+    for t in threads:
+        t.start()
+    rng = random.Random(4)
+    try:
+        for unique in range(1, 2001):
+            offset = rng.randrange(IMAGE)
+            size = rng.randrange(1, 3 * SECTOR)
+            kernel.send(request(fusewire.READ, unique, offset, size))
+            data = kernel.recv(1 << 21)
+            length, error, got = OUT_HEADER.unpack_from(data)
+            assert (length, error, got) == (len(data), 0, unique)
+            assert data[OUT_HEADER.size :] == IMAGE_BYTES[offset : offset + size], unique
+    finally:
+        stop.set()
+        kernel.shutdown(socket.SHUT_WR)
+        for t in threads:
+            t.join(10)
+        kernel.close()
+        server.close()
+    assert memory.served + by_caller == 2000 and memory.served > 0 and by_caller > 0
+    assert memory.in_flight == 0

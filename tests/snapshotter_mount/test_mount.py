@@ -21,7 +21,7 @@ from support import require
 from imagetool import profile as profiles
 from imagetool.image import open_image
 from snapshotter.cache.sectors import cache_usage
-from snapshotter.mount import api, fuse, kernel
+from snapshotter.mount import api, fusewire, kernel
 from snapshotter.prometheus import exposition
 
 pytestmark = [pytest.mark.root, pytest.mark.integration]
@@ -39,9 +39,9 @@ def test_mount_directory_store_matches_the_source_tree(
 ) -> None:  # noqa: ANN001
     # READs of sectors in memory answered by the compiled loop, or all of them in Python
     if reads == "compiled":
-        require(fuse.compiled_reads_wanted(), "snapshotter.mount._fastreads is not built")
+        require(fusewire.compiled_reads_wanted(), "snapshotter.mount._fastreads is not built")
     else:
-        monkeypatch.setenv(fuse.COMPILED_READS_ENV, "0")
+        monkeypatch.setenv(fusewire.COMPILED_READS_ENV, "0")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     res = snapshotter("mount", umoci_dir_ref, str(mnt), "--backing", backing,
