@@ -18,7 +18,8 @@ any answer other than the range asked for) stays with the registry client's http
   ``MAX_REDIRECTS``; the ``Authorization`` header goes only to the origin it was meant for.
 * ``timeout`` bounds connecting and every receive: ``TimeoutError``, never a hang.
 * Proxies: the one given (a hosts.toml ``proxy``), else the environment's for the URL
-  (``HTTP(S)_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``, as httpx reads them). Through an
+  (``HTTP(S)_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``, as httpx reads them; read once per
+  client and origin: a process's environment does not change under it). Through an
   ``http://`` proxy, an ``http`` URL is asked for in absolute form and an ``https`` one
   through a ``CONNECT`` tunnel (TLS with the registry inside it), ``user:password@`` of the
   proxy URL going as ``Proxy-Authorization``; connections are kept per (origin, proxy). A
@@ -135,6 +136,9 @@ class RangeClient:
         self.timeout = timeout
         self.connect_timeout = min(timeout, connect_timeout or timeout)
         self.proxy = proxy  # overrides the environment's for every URL
+        # The environment's proxy for each origin asked (reading the environment walks all
+        # of it: a request's worth of the interpreter, for an answer that does not change).
+        self._env_proxies: dict[_Origin, str | None] = {}
         self.user_agent = user_agent
         self.max_idle = max_idle
         self._lock = threading.Lock()
@@ -152,6 +156,13 @@ class RangeClient:
             self.disabled = reason
             log.info("ranged reads through the store's own client from now on: %s", reason)
 
+    def _env_proxy(self, origin: _Origin) -> str | None:
+        try:
+            return self._env_proxies[origin]
+        except KeyError:
+            proxy = self._env_proxies[origin] = _env_proxy(origin)
+            return proxy
+
     def get(self, url: str, headers: Mapping[str, str]) -> RangeResponse | None:
         """GET ``url``, following redirects; the final answer, whatever its status (a body
         to read), or None when a URL on the way goes through a proxy this client does not
@@ -163,7 +174,7 @@ class RangeClient:
         first = _origin(url)
         for _ in range(MAX_REDIRECTS + 1):
             origin = _origin(url)
-            proxy = self.proxy or _env_proxy(origin)
+            proxy = self.proxy or self._env_proxy(origin)
             if proxy is not None and urlsplit(proxy).scheme != "http":
                 return None
             hop = {

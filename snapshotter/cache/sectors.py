@@ -228,7 +228,7 @@ class Reservation:
 
     __slots__ = ("path", "fd", "total")
 
-    def __init__(self, path: Path, fd: int, total: int) -> None:
+    def __init__(self, path: str, fd: int, total: int) -> None:
         self.path = path
         self.fd = fd
         self.total = total
@@ -578,7 +578,7 @@ class SectorCache:
                 self._allocate(fd, total)
                 break
             except OSError as e:
-                _unlink(Path(name))
+                _unlink(name)
                 os.close(fd)
                 if e.errno not in _DISK_FULL or attempt == 2:
                     raise
@@ -587,7 +587,7 @@ class SectorCache:
         self._shared.add(total)
         self._usage += total
         self._reserved += total
-        return Reservation(Path(name), fd, total)
+        return Reservation(name, fd, total)
 
     def _new_wip_file(self) -> tuple[int, str]:
         """A new file in ``wip/``, named for this process (``WIP_PREFIX``, pid, a count)."""
