@@ -4,8 +4,8 @@
   needs the headers of libzstd and libxxhash. Without it ``imagetool.format`` works
   through python-zstandard and python-xxhash.
 * ``snapshotter.mount._fastreads`` (see its source): FUSE READs answered from sector memory
-  without the interpreter; needs nothing but libc. Without it ``snapshotter.mount.fusewire``
-  answers every request in Python.
+  and node cache entries without the interpreter; needs the headers of libxxhash. Without
+  it ``snapshotter.mount.fusewire`` answers every request in Python.
 
 Built where a C compiler and those headers are at hand (Debian's gcc, python3-dev,
 libzstd-dev, libxxhash-dev: ``scripts/install-deps``); elsewhere the build goes on without
@@ -25,6 +25,7 @@ setup(
         Extension(
             "snapshotter.mount._fastreads",
             ["snapshotter/mount/_fastreads.c"],
+            libraries=["xxhash"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),

@@ -422,6 +422,25 @@ class SectorCache:
         self._hit(checksum, verified)
         return scratch[offset - lo : end - lo], took
 
+    def direct_entry(self, checksum: str, size: int) -> tuple[str, bytes, int] | None:
+        """For reading elsewhere (the compiled READ loop, ``snapshotter.mount._fastreads``):
+        the entry's path, the digests of its blocks and their size, where this process has
+        checked its trailer, it holds ``size`` sector bytes and direct reads work here; else
+        None. Whoever reads it checks each block it reads against its digest."""
+        with self._lock:
+            verified = self._verified.get(checksum)
+        if verified is None or verified.size != size or not self._direct_read:
+            return None
+        return self._path(checksum), verified.digests, verified.block
+
+    def note_read(self, checksum: str) -> None:
+        """A read of the entry done elsewhere (``direct_entry``): it counts as a hit and
+        makes the entry recently used, as a read through ``read_view`` does."""
+        with self._lock:
+            verified = self._verified.get(checksum)
+        if verified is not None:
+            self._hit(checksum, verified)
+
     def release_windows(self) -> int:
         """Forget the read-around windows (a mount server that has gone quiet gives their
         memory back); returns how many bytes they held."""

@@ -77,6 +77,9 @@ STREAM_MIN_SECTORS = 2
 # 128 KiB reads within one 64 MiB file read sectors ahead and had the disk read whole cache
 # entries: 0.7-4 ms per read (median) instead of 0.45-0.5.
 STREAM_FORWARD_SHARE = 8
+# Cache entries a mirror of this reader's memory (``mirror_memory``) may read from at once
+# (their block digests: 2 KiB each for a 4 MiB sector).
+MIRRORED_ENTRIES = 2048
 
 
 def scratch_memory(size: int) -> memoryview:
@@ -104,6 +107,13 @@ class MemoryMirror(Protocol):
     def drop(self, n: int, /) -> None: ...
 
     def clear(self) -> None: ...
+
+    def cached(self, n: int, path: str, digests: bytes, block: int, /) -> bool:
+        """Sector ``n`` may be read from its cache entry at ``path``, checked against its
+        block ``digests``, where nothing is held for it; whether it was taken."""
+        ...
+
+    def uncache(self, n: int, /) -> None: ...
 
 
 class BlockReader:
@@ -145,6 +155,7 @@ class BlockReader:
         # A copy of ``_memory`` kept elsewhere (``mirror_memory``): the FUSE file's table of
         # the buffers its compiled loop answers READs from.
         self._mirror: MemoryMirror | None = None
+        self._mirrored_entries: OrderedDict[int, None] = OrderedDict()  # given to the mirror
         if memory_sectors:
             # Every fetched sector, read-ahead included, is kept: the cache writes entries
             # with direct I/O, so the page cache does not have them.
@@ -228,6 +239,8 @@ class BlockReader:
                 continue
             parts[n], took = got
             room = room[took:]
+            if self._mirror is not None and not sequential:
+                self._mirror_entry(n)
         if wanted:  # ... or since its cache lookup: then the fetcher would read it back
             with self._lock:
                 for n in wanted:
@@ -296,6 +309,29 @@ class BlockReader:
                 mirror.put(n, data)
             self._mirror = mirror
 
+    def _mirror_entry(self, n: int) -> None:
+        """Give the mirror sector ``n``'s cache entry to answer reads from (past the page
+        cache, as ``read_view`` reads random ones), once a read here has found it whole and
+        checked its trailer; at most ``MIRRORED_ENTRIES`` at once, the least recently given
+        dropped first."""
+        handle = self.fetcher.cached_entry(n)
+        if handle is None:
+            return
+        path, digests, block = handle
+        assert self._mirror is not None
+        if not self._mirror.cached(n, path, digests, block):
+            return
+        with self._lock:
+            self._mirrored_entries[n] = None
+            self._mirrored_entries.move_to_end(n)
+            old = (
+                self._mirrored_entries.popitem(last=False)[0]
+                if len(self._mirrored_entries) > MIRRORED_ENTRIES
+                else None
+            )
+        if old is not None:
+            self._mirror.uncache(old)
+
     def account_served(self, reads: list[tuple[int, int]]) -> None:
         """Reads ``(offset, length)`` answered from the mirror of this reader's memory
         (``mirror_memory``), in the order they were answered: counted, logged and followed
@@ -304,18 +340,20 @@ class BlockReader:
             return
         index = self.index
         total = hits = touched = 0
+        from_disk: list[int] = []  # pieces read from the node cache's entries
         with self._lock:
             for offset, length in reads:
                 end = offset + length
                 total += length
                 for n in index.sectors_for_range(offset, length):
-                    hits += 1
                     if n not in self._touched:
                         self._touched[n] = None
                         touched += index.sectors[n].length
                     data = self._memory.get(n)
                     if data is None:
-                        continue  # evicted since: nothing left to order
+                        from_disk.append(n)  # (or memory it was evicted from since)
+                        continue
+                    hits += 1
                     start, size = index.sector_span(n)
                     used = self._used.get(n, 0) + min(end, start + size) - max(offset, start)
                     self._used[n] = used
@@ -324,6 +362,10 @@ class BlockReader:
         metrics.reads.inc(len(reads))
         metrics.read_bytes.inc(total)
         metrics.memory_hits.inc(hits)
+        if from_disk:
+            metrics.cache_hits.inc(len(from_disk))
+            for n in dict.fromkeys(from_disk):
+                self.fetcher.cache.note_read(index.sectors[n].checksum)
         if touched:
             metrics.touched_stored_bytes.inc(touched)
         if self.readahead_sectors:

@@ -27,7 +27,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xxh_x86dispatch.h>
+#else
+#include <xxhash.h>
+#endif
+
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -47,8 +54,14 @@
 /* What ``serve`` returns (with a byte count). */
 enum { ST_REQUEST = 0, ST_DRAIN = 1, ST_ENDED = 2, ST_REPLY_FAILED = 3 };
 
+/* A sector in the table: its bytes in memory (``view``), or in its node cache entry on
+ * disk (``path``: opened for each read, read with direct I/O and checked against
+ * ``digests`` per ``block``; nothing is held open, so an entry the cache evicts goes). */
 typedef struct held {
     Py_buffer view;
+    char *path;        /* NULL: in memory */
+    uint32_t block;    /* bytes per digest */
+    uint64_t *digests; /* xxh3-64 of each block, as numbers */
     int pins;          /* threads writing from it now */
     int dead;          /* out of the table: release once unpinned */
     struct held *next; /* in the graveyard */
@@ -66,6 +79,8 @@ typedef struct {
     held *graveyard;     /* dead and unpinned: to release with the lock held */
     uint64_t *log;       /* (offset, length) of each READ answered here, in order */
     size_t log_len, log_cap, drain_every;
+    size_t log_reserved; /* entries taken by READs being answered, not logged yet */
+    uint64_t disk_reads, disk_failures;
     uint64_t served, served_bytes, resent;
     int64_t in_flight;   /* requests read here and not yet answered or handed over */
 } Memory;
@@ -103,7 +118,12 @@ static held *retire(held *old) {
 
 static void release_now(held *h) {
     if (h != NULL) {
-        PyBuffer_Release(&h->view);
+        if (h->path != NULL) {
+            PyMem_RawFree(h->path);
+            PyMem_RawFree(h->digests);
+        } else {
+            PyBuffer_Release(&h->view);
+        }
         PyMem_RawFree(h);
     }
 }
@@ -225,6 +245,88 @@ static PyObject *Memory_put(Memory *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(cached_doc,
+             "cached(n, path, digests, block): sector n is in the node cache entry at "
+             "``path``, its bytes from offset 0, with the xxh3-64 ``digests`` of each "
+             "``block`` (canonical, 8 bytes each, as its trailer has them): a READ of it "
+             "opens the entry, reads the blocks it covers with direct I/O and checks them. "
+             "Where the table holds the sector already (memory), that stays. Returns "
+             "whether it was taken.");
+
+static PyObject *Memory_cached(Memory *self, PyObject *args) {
+    unsigned long long n;
+    const char *path;
+    Py_buffer digests;
+    unsigned int block;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "Ksy*I", &n, &path, &digests, &block)) {
+        return NULL;
+    }
+    if (check_sector(self, n) < 0) {
+        PyBuffer_Release(&digests);
+        return NULL;
+    }
+    uint64_t size = span_of(self, n);
+    size_t count = block ? (size_t)((size + block - 1) / block) : 0;
+    if (block == 0 || block % 4096 || (size_t)digests.len != 8 * count) {
+        PyBuffer_Release(&digests);
+        return PyErr_Format(PyExc_ValueError,
+                            "digests of %llu-byte blocks: %zd bytes for a %llu-byte sector",
+                            (unsigned long long)block, digests.len, (unsigned long long)size);
+    }
+    size_t plen = strlen(path) + 1;
+    held *h = PyMem_RawCalloc(1, sizeof(held));
+    uint64_t *numbers = PyMem_RawMalloc(count * sizeof(uint64_t));
+    char *copy = PyMem_RawMalloc(plen);
+    if (h == NULL || numbers == NULL || copy == NULL) {
+        PyMem_RawFree(h);
+        PyMem_RawFree(numbers);
+        PyMem_RawFree(copy);
+        PyBuffer_Release(&digests);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < count; i++) {
+        XXH64_canonical_t c;
+        memcpy(&c, (unsigned char *)digests.buf + 8 * i, 8);
+        numbers[i] = XXH64_hashFromCanonical(&c);
+    }
+    PyBuffer_Release(&digests);
+    memcpy(copy, path, plen);
+    h->path = copy;
+    h->block = block;
+    h->digests = numbers;
+    int taken = 0;
+    pthread_mutex_lock(&self->mu);
+    if (self->slots[n] == NULL) {
+        self->slots[n] = h;
+        taken = 1;
+    }
+    pthread_mutex_unlock(&self->mu);
+    if (!taken) {
+        release_now(h);
+    }
+    return PyBool_FromLong(taken);
+}
+
+PyDoc_STRVAR(uncache_doc, "uncache(n): sector n's cache entry is no longer read here (its "
+                          "memory, if the table holds that instead, stays).");
+
+static PyObject *Memory_uncache(Memory *self, PyObject *args) {
+    unsigned long long n;
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+        return NULL;
+    }
+    held *old = NULL;
+    pthread_mutex_lock(&self->mu);
+    if (self->slots[n] != NULL && self->slots[n]->path != NULL) {
+        old = retire(self->slots[n]);
+        self->slots[n] = NULL;
+    }
+    pthread_mutex_unlock(&self->mu);
+    release_now(old);
+    bury(self);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(pending_doc, "pending(n): sector n is being fetched: a READ of it waits for its "
                           "put() (up to wait_seconds) instead of going to Python.");
 
@@ -340,12 +442,84 @@ static PyObject *Memory_handed(Memory *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* Each FUSE thread's page-aligned memory for the blocks it reads from cache entries. */
+static pthread_key_t scratch_key;
+
+typedef struct {
+    unsigned char *buf;
+    size_t len;
+} scratch_t;
+
+static void scratch_free(void *p) {
+    scratch_t *s = p;
+    free(s->buf);
+    free(s);
+}
+
+static unsigned char *scratch_of(size_t need) {
+    scratch_t *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = calloc(1, sizeof(scratch_t));
+        if (s == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->len < need) {
+        void *p = NULL;
+        if (posix_memalign(&p, 4096, need) != 0) {
+            return NULL;
+        }
+        free(s->buf);
+        s->buf = p;
+        s->len = need;
+    }
+    return s->buf;
+}
+
+/* Read the blocks of an entry that cover [lo, hi) of its sector into ``into`` (aligned)
+ * and check each against its digest; the offset of ``lo`` in ``into``, or -1. */
+static ssize_t read_checked(held *h, uint64_t size, uint64_t lo, uint64_t hi,
+                            unsigned char *into) {
+    uint64_t b = h->block;
+    uint64_t from = lo / b * b;
+    uint64_t to = (hi + b - 1) / b * b;
+    if (to > size) {
+        to = size;
+    }
+    size_t len = (size_t)((to - from + 4095) / 4096 * 4096);
+    int fd = open(h->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (fd < 0) {
+        return -1; /* evicted, or no direct I/O here: Python reads it its own way */
+    }
+    size_t done = 0;
+    while (done < to - from) {
+        ssize_t r = pread(fd, into + done, len - done, (off_t)(from + done));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            close(fd);
+            return -1; /* an error, or the entry shorter than its trailer says */
+        }
+        done += (size_t)r;
+    }
+    close(fd);
+    for (uint64_t at = from; at < to; at += b) {
+        uint64_t n = size - at < b ? size - at : b;
+        if (XXH3_64bits(into + (at - from), (size_t)n) != h->digests[at / b]) {
+            return -1;
+        }
+    }
+    return (ssize_t)(lo - from);
+}
+
 /* Mutex held: whether sectors [first, first+count) are all in the table (then in
  * ``pieces``), waiting up to ``wait_ns`` while those missing are all being fetched. */
 static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces) {
     struct timespec deadline = {0, 0};
     for (;;) {
-        if (self->log_len >= self->log_cap) {
+        if (self->log_len + self->log_reserved >= self->log_cap) {
             return 0; /* Python drains it first */
         }
         int whole = 1, waitable = 1;
@@ -424,22 +598,30 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
             pthread_mutex_unlock(&self->mu);
             return ST_REQUEST;
         }
+        int disk = 0;
         for (uint64_t i = 0; i < count; i++) {
             pieces[i]->pins++;
+            disk += pieces[i]->path != NULL;
         }
-        /* Logged now, while the log has room (have_or_wait saw to it), even if the kernel
-         * no longer wants the answer (ENOENT below): it was asked for. */
-        self->log[2 * self->log_len] = offset;
-        self->log[2 * self->log_len + 1] = end - offset;
-        self->log_len++;
-        self->served++;
-        self->served_bytes += end - offset;
-        if (unique & UNIQUE_RESEND) {
-            self->resent++;
-        }
-        int drain = self->log_len >= self->drain_every;
+        self->log_reserved++; /* this READ's entry in the log, taken while there is room */
         pthread_mutex_unlock(&self->mu);
 
+        /* Sectors in cache entries: their blocks read and checked before anything is sent
+         * (a page-aligned stretch of this thread's scratch each). */
+        unsigned char *scratch = NULL;
+        if (disk) {
+            size_t need = 0;
+            for (uint64_t i = 0; i < count; i++) {
+                if (pieces[i]->path != NULL) {
+                    need += (size_t)((end - offset + 2 * (uint64_t)pieces[i]->block + 8191) /
+                                     4096 * 4096);
+                }
+            }
+            scratch = scratch_of(need);
+        }
+        int ok = !disk || scratch != NULL;
+        held *bad = NULL;
+        size_t used = 0;
         uint32_t out_len = (uint32_t)(OUT_HEADER + (end - offset));
         int32_t error = 0;
         unsigned char header[OUT_HEADER];
@@ -448,14 +630,69 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
         memcpy(header + 8, &unique, 8);
         iov[0].iov_base = header;
         iov[0].iov_len = OUT_HEADER;
-        for (uint64_t i = 0; i < count; i++) {
+        for (uint64_t i = 0; ok && i < count; i++) {
             uint64_t start = (first + i) * self->sector_size;
+            uint64_t span = span_of(self, first + i);
             uint64_t lo = (offset > start ? offset : start) - start;
-            uint64_t stop = start + span_of(self, first + i);
+            uint64_t stop = start + span;
             uint64_t hi = (end < stop ? end : stop) - start;
-            iov[i + 1].iov_base = (unsigned char *)pieces[i]->view.buf + lo;
+            if (pieces[i]->path == NULL) {
+                iov[i + 1].iov_base = (unsigned char *)pieces[i]->view.buf + lo;
+            } else {
+                ssize_t at = read_checked(pieces[i], span, lo, hi, scratch + used);
+                if (at < 0) {
+                    ok = 0;
+                    bad = pieces[i];
+                    break;
+                }
+                iov[i + 1].iov_base = scratch + used + at;
+                uint64_t b = pieces[i]->block;
+                used += (size_t)(((hi + b - 1) / b * b - lo / b * b + 4095) / 4096 * 4096);
+            }
             iov[i + 1].iov_len = hi - lo;
         }
+
+        pthread_mutex_lock(&self->mu);
+        self->log_reserved--;
+        if (disk) {
+            self->disk_reads++;
+        }
+        int drain = 0;
+        if (ok) {
+            /* Logged before the answer goes, even if the kernel no longer wants it (ENOENT
+             * below): it was asked for. */
+            self->log[2 * self->log_len] = offset;
+            self->log[2 * self->log_len + 1] = end - offset;
+            self->log_len++;
+            self->served++;
+            self->served_bytes += end - offset;
+            if (unique & UNIQUE_RESEND) {
+                self->resent++;
+            }
+            drain = self->log_len >= self->drain_every;
+        } else {
+            self->disk_failures++;
+            /* Python reads it again its own way (and deals with a damaged entry); this
+             * entry is not read here again until Python gives it anew. */
+            for (uint64_t i = 0; bad != NULL && i < count; i++) {
+                if (self->slots[first + i] == bad) {
+                    self->slots[first + i] = NULL;
+                    bad->dead = 1;
+                }
+            }
+            for (uint64_t i = 0; i < count; i++) {
+                held *h = pieces[i];
+                if (--h->pins == 0 && h->dead) {
+                    h->next = self->graveyard;
+                    self->graveyard = h;
+                }
+            }
+        }
+        pthread_mutex_unlock(&self->mu);
+        if (!ok) {
+            return ST_REQUEST;
+        }
+
         ssize_t wrote = writev(fd, iov, (int)count + 1);
         int werr = wrote < 0 ? errno : 0;
 
@@ -538,6 +775,14 @@ static PyObject *Memory_get_resent(Memory *self, void *c) {
     return check_ready(self) < 0 ? NULL : counter(self, &self->resent);
 }
 
+static PyObject *Memory_get_disk_reads(Memory *self, void *c) {
+    return check_ready(self) < 0 ? NULL : counter(self, &self->disk_reads);
+}
+
+static PyObject *Memory_get_disk_failures(Memory *self, void *c) {
+    return check_ready(self) < 0 ? NULL : counter(self, &self->disk_failures);
+}
+
 static PyObject *Memory_get_sectors(Memory *self, void *c) {
     if (check_ready(self) < 0) {
         return NULL;
@@ -560,12 +805,18 @@ static PyGetSetDef Memory_getset[] = {
     {"resent", (getter)Memory_get_resent, NULL, "resent READs (FUSE_NOTIFY_RESEND) answered here",
      NULL},
     {"sectors", (getter)Memory_get_sectors, NULL, "sectors in the table", NULL},
+    {"disk_reads", (getter)Memory_get_disk_reads, NULL,
+     "READs that read sectors from cache entries here", NULL},
+    {"disk_failures", (getter)Memory_get_disk_failures, NULL,
+     "... of which a block did not read or check: handed to Python", NULL},
     {NULL},
 };
 
 static PyMethodDef Memory_methods[] = {
     {"put", (PyCFunction)Memory_put, METH_VARARGS, put_doc},
     {"drop", (PyCFunction)Memory_drop, METH_VARARGS, drop_doc},
+    {"cached", (PyCFunction)Memory_cached, METH_VARARGS, cached_doc},
+    {"uncache", (PyCFunction)Memory_uncache, METH_VARARGS, uncache_doc},
     {"pending", (PyCFunction)Memory_pending, METH_VARARGS, pending_doc},
     {"settled", (PyCFunction)Memory_settled, METH_VARARGS, settled_doc},
     {"clear", (PyCFunction)Memory_clear, METH_NOARGS, clear_doc},
@@ -598,6 +849,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fastreads(void) {
     if (PyType_Ready(&MemoryType) < 0) {
         return NULL;
+    }
+    static int keyed = 0;
+    if (!keyed) {
+        if (pthread_key_create(&scratch_key, scratch_free) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_key_create failed");
+            return NULL;
+        }
+        keyed = 1;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {

@@ -602,8 +602,10 @@ class MountServer:
                 "touched_stored_bytes": sum(idx.sectors[n].length for n in touched),
                 "touched_data_sectors": sum(1 for n in touched if n >= idx.metadata_sectors),
                 "errors": self.operations.read_errors.value,
-                # answered from memory by the compiled loop (snapshotter.mount._fastreads)
+                # answered by the compiled loop (snapshotter.mount._fastreads), from memory
+                # or, of those, from the node cache's entries
                 "compiled": self._fuse.compiled_reads if self._fuse else 0,
+                "compiled_from_cache": self._fuse.compiled_cache_reads if self._fuse else 0,
             },
             "prefetch": {
                 "mode": self.config.prefetch_mode.value,

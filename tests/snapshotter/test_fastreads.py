@@ -6,14 +6,19 @@ answer per write, as /dev/fuse has them), and the test is the kernel on the othe
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import xxhash
 from support import require
 
 from snapshotter.mount import fusewire
@@ -280,3 +285,93 @@ def test_many_threads_answer_right_while_sectors_come_and_go() -> None:
         server.close()
     assert memory.served + by_caller == 2000 and memory.served > 0 and by_caller > 0
     assert memory.in_flight == 0
+
+
+BLOCK = 16 << 10
+
+
+def entry_file(path: Path, n: int) -> tuple[str, bytes]:
+    """Sector n's bytes in a file as a cache entry lays them out (from offset 0, zeros to a
+    page); (its path, its block digests)."""
+    data = sector_bytes(n)
+    path.write_bytes(data + bytes(-len(data) % 4096))
+    digests = b"".join(
+        xxhash.xxh3_64_digest(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)
+    )
+    return str(path), digests
+
+
+@pytest.fixture
+def entries() -> Iterator[Path]:
+    # direct I/O wants a disk's file system (/tmp may be tmpfs)
+    where = Path(tempfile.mkdtemp(prefix="lazyblock-fastreads-", dir="/var/tmp"))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_reads_of_cache_entries_are_read_checked_and_answered(
+    memory: object, loop: Loop, entries: Path
+) -> None:
+    memory.put(0, memoryview(sector_bytes(0)))
+    for n in (1, 3):
+        path, digests = entry_file(entries / f"e{n}", n)
+        assert memory.cached(n, path, digests, BLOCK) is True
+    path, digests = entry_file(entries / "e0", 0)
+    assert memory.cached(0, path, digests, BLOCK) is False  # memory holds sector 0: it stays
+    loop.serve_once()
+    # a READ across memory and an entry; one within an entry; the short last sector
+    reads = [(SECTOR - 5000, 9000 + BLOCK), (SECTOR + 3 * BLOCK + 7, 100), (3 * SECTOR + 10, 990)]
+    for unique, (offset, size) in enumerate(reads, start=20):
+        loop.kernel.send(request(fusewire.READ, unique, offset, size))
+        assert loop.answer() == (0, unique, IMAGE_BYTES[offset : offset + size])
+    assert loop.wait()[0] == _fastreads.DRAIN
+    assert memory.disk_reads == 3 and memory.disk_failures == 0
+    assert [r for r, _ in memory.drain()] == [r for r, _ in reads]
+
+
+def test_a_damaged_entry_goes_to_the_caller_and_is_read_here_no_more(
+    memory: object, loop: Loop, entries: Path
+) -> None:
+    path = entries / "e1"
+    memory.cached(1, *entry_file(path, 1), BLOCK)
+    with open(path, "r+b") as f:  # a byte of its third block flipped on disk
+        f.seek(2 * BLOCK + 5)
+        byte = f.read(1)
+        f.seek(2 * BLOCK + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    dropped = os.open(path, os.O_RDONLY)  # (direct reads go past the page cache anyway)
+    os.posix_fadvise(dropped, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(dropped)
+    assert memory.sectors == 1
+    req = request(fusewire.READ, 8, SECTOR + 2 * BLOCK, 100)
+    loop.serve_once()
+    loop.kernel.send(req)
+    assert loop.wait() == (_fastreads.REQUEST, len(req), req)  # never the damaged bytes
+    assert memory.disk_failures == 1 and memory.sectors == 0
+    memory.handed()
+    loop.serve_once()
+    loop.kernel.send(request(fusewire.READ, 9, SECTOR, 100))  # another block: not read here
+    assert loop.wait()[0] == _fastreads.REQUEST
+    memory.handed()
+    memory.uncache(1)  # nothing to drop
+
+
+def test_bad_digests_are_refused(memory: object, entries: Path) -> None:
+    path, digests = entry_file(entries / "e2", 2)
+    with pytest.raises(ValueError):
+        memory.cached(2, path, digests[:-8], BLOCK)
+    with pytest.raises(ValueError):
+        memory.cached(2, path, digests, 1000)  # not whole pages
+
+
+def test_an_entry_gone_from_disk_goes_to_the_caller(
+    memory: object, loop: Loop, entries: Path
+) -> None:
+    path = entries / "e3"
+    memory.cached(3, *entry_file(path, 3), BLOCK)
+    path.unlink()  # evicted
+    req = request(fusewire.READ, 5, 3 * SECTOR, 100)
+    loop.serve_once()
+    loop.kernel.send(req)
+    assert loop.wait() == (_fastreads.REQUEST, len(req), req)
+    assert memory.sectors == 0
