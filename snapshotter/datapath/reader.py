@@ -454,4 +454,13 @@ class BlockReader:
                 self.fetcher.cancel_readahead(range(old.ahead_from, old.ahead_to))
         if ahead is not None and ahead[1] > ahead[0]:
             self.fetcher.readahead(range(*ahead))
+            if self._mirrored_entries:
+                # A stream reads these through the page cache, which read-ahead fills
+                # (``will_need``): not past it from the mirror.
+                with self._lock:
+                    gone = [n for n in range(*ahead) if n in self._mirrored_entries]
+                    for n in gone:
+                        del self._mirrored_entries[n]
+                for n in gone:
+                    self._mirror.uncache(n)  # type: ignore[union-attr]
         return sequential

@@ -1,5 +1,6 @@
-/* FUSE reads answered from sector memory without the interpreter: the compiled half of
- * snapshotter.mount.fusewire's request loop (which works without it, in Python alone).
+/* FUSE reads answered from sector memory and the node cache without the interpreter: the
+ * compiled half of snapshotter.mount.fusewire's request loop (which works without it, in
+ * Python alone).
  *
  * A cold sequential pass over an image sends the mount server one FUSE READ per MiB. Four
  * in five of them find their sector already decoded in the reader's memory (fetched
@@ -16,8 +17,17 @@
  * logged; every ``drain_every`` of them the call returns so that the caller hands the log
  * to the reader's bookkeeping (its streams and read-ahead, the startup profile, metrics).
  *
- * Only verified bytes are in the table: the reader puts there what it keeps in memory,
- * sectors the fetcher decoded and checked (or zeros). A buffer replaced or dropped while a
+ * A warm mount reads from the node cache instead. Once a READ answered in Python has found
+ * a sector's cache entry whole and checked its trailer, the reader gives the table the
+ * entry's path and block digests (``cached``): a READ of it is then answered here too, the
+ * entry opened, the blocks that cover the READ read with direct I/O into this thread's
+ * scratch and each checked against its digest (xxh3-64) before anything is written. A
+ * block that does not check, or an entry that is gone, hands the READ to Python (which
+ * deals with a damaged entry and fetches again) and takes the entry out of the table.
+ *
+ * Only verified bytes are answered: the reader puts in the table what it keeps in memory,
+ * sectors the fetcher decoded and checked (or zeros), and entries' blocks are checked as
+ * they are read. A buffer replaced or dropped while a
  * thread is writing from it stays alive until that write ends (pinned); it is released
  * with the interpreter's lock held, at the next call into this module.
  *

@@ -18,10 +18,11 @@ cache), where libfuse's path cost the mount server ~1 CPU-s per GB more than the
 data path itself (``benchmarks/mount/results/README.md``).
 
 The compiled loop (``snapshotter.mount._fastreads``, where it is built). A source that has a
-``fast`` table (``FileSource``) has its READs of sectors in memory, or being fetched,
-answered in C: each FUSE thread calls ``Memory.serve``, which reads requests and answers
-those without the interpreter, and returns the others here (``_next_for_python``), along
-with its log of answered READs for the source's bookkeeping (``drain``).
+``fast`` table (``FileSource``) has its READs of sectors in memory, being fetched, or in
+node cache entries it was given answered in C: each FUSE thread calls ``Memory.serve``,
+which reads requests and answers those without the interpreter, and returns the others
+here (``_next_for_python``), along with its log of answered READs for the source's
+bookkeeping (``drain``).
 
 Requests: INIT (once; asks for asynchronous reads, asynchronous direct I/O and 1 MiB
 requests), LOOKUP, GETATTR,

@@ -321,3 +321,40 @@ def test_reads_answered_from_the_mirror_are_counted_and_move_read_ahead(
     ahead = [n for n in range(3, 9) if not image.index.sectors[n].is_zero]
     wait_until(lambda: all(image.index.sectors[n].checksum in fetcher.cache for n in ahead))
     assert fetcher.readahead_sectors.value >= len(ahead)
+
+
+class _EntryMirror(_Mirror):
+    """... that also takes cache entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: dict[int, str] = {}
+
+    def cached(self, n: int, path: str, digests: bytes, block: int) -> bool:
+        assert len(digests) == 8 * -(-SECTOR // block)
+        self.entries[n] = path
+        return True
+
+    def uncache(self, n: int) -> None:
+        self.entries.pop(n, None)
+
+
+def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=8, readahead_bytes=4 * SECTOR,
+                         stream_slack=SECTOR // 2)  # fmt: skip
+    mirror = _EntryMirror()
+    reader.mirror_memory(mirror)
+    stored = [n for n in range(3, 9) if not image.index.sectors[n].is_zero]
+    for n in stored:
+        reader.read(n * SECTOR + 100, 10)  # fetched, and in the cache
+    reader.drop_memory()
+    for n in stored:  # small reads far apart: from the cache, no stream
+        assert reader.read(n * SECTOR + 200, 10) == image.data[n * SECTOR + 200 :][:10]
+    assert sorted(mirror.entries) == stored
+    assert all(p.endswith(image.index.sectors[n].checksum) for n, p in mirror.entries.items())
+    for offset in range(0, 3 * SECTOR, SECTOR // 4):  # a stream, which reads ahead of it
+        reader.read(offset, SECTOR // 4)
+    assert not any(n in mirror.entries for n in range(3, 7)), mirror.entries
