@@ -23,7 +23,9 @@
  * entry opened, the blocks that cover the READ read with direct I/O into this thread's
  * scratch and each checked against its digest (xxh3-64) before anything is written. A
  * block that does not check, or an entry that is gone, hands the READ to Python (which
- * deals with a damaged entry and fetches again) and takes the entry out of the table.
+ * deals with a damaged entry and fetches again) and takes the entry out of the table. A
+ * READ no longer than ``disk_min_read`` of an entry goes to Python too, whose read-around
+ * windows keep the 128 KiB around a small read in memory for the small reads that follow.
  *
  * Only verified bytes are answered: the reader puts in the table what it keeps in memory,
  * sectors the fetcher decoded and checked (or zeros), and entries' blocks are checked as
@@ -85,6 +87,7 @@ typedef struct {
     uint64_t sector_size, image_size, count;
     held **slots;
     unsigned char *pending; /* being fetched now: a READ of it waits here for it */
+    uint64_t disk_min_read; /* READs of entries up to this long go to Python */
     long wait_ns;           /* ... at most this long, then goes to Python */
     held *graveyard;     /* dead and unpinned: to release with the lock held */
     uint64_t *log;       /* (offset, length) of each READ answered here, in order */
@@ -140,14 +143,16 @@ static void release_now(held *h) {
 
 static int Memory_init(Memory *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"sector_size", "image_size", "drain_every", "log_capacity",
-                             "wait_seconds", NULL};
-    unsigned long long sector_size, image_size;
+                             "wait_seconds", "disk_min_read", NULL};
+    unsigned long long sector_size, image_size, disk_min_read = 0;
     Py_ssize_t drain_every = 4, log_capacity = 4096;
     double wait_seconds = 0.25;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KK|nnd", kwlist, &sector_size, &image_size,
-                                     &drain_every, &log_capacity, &wait_seconds)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KK|nndK", kwlist, &sector_size, &image_size,
+                                     &drain_every, &log_capacity, &wait_seconds,
+                                     &disk_min_read)) {
         return -1;
     }
+    self->disk_min_read = disk_min_read;
     if (!(wait_seconds >= 0 && wait_seconds <= 60)) {
         PyErr_SetString(PyExc_ValueError, "wait_seconds must be within [0, 60]");
         return -1;
@@ -526,7 +531,8 @@ static ssize_t read_checked(held *h, uint64_t size, uint64_t lo, uint64_t hi,
 
 /* Mutex held: whether sectors [first, first+count) are all in the table (then in
  * ``pieces``), waiting up to ``wait_ns`` while those missing are all being fetched. */
-static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces) {
+static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces,
+                        int disk_too) {
     struct timespec deadline = {0, 0};
     for (;;) {
         if (self->log_len + self->log_reserved >= self->log_cap) {
@@ -535,6 +541,9 @@ static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pie
         int whole = 1, waitable = 1;
         for (uint64_t i = 0; i < count; i++) {
             pieces[i] = self->slots[first + i];
+            if (pieces[i] != NULL && pieces[i]->path != NULL && !disk_too) {
+                return 0; /* a small read of an entry: Python's read-around serves those */
+            }
             if (pieces[i] == NULL) {
                 whole = 0;
                 waitable = waitable && self->pending[first + i];
@@ -604,7 +613,7 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
             return ST_REQUEST;
         }
         pthread_mutex_lock(&self->mu);
-        if (!have_or_wait(self, first, count, pieces)) {
+        if (!have_or_wait(self, first, count, pieces, end - offset > self->disk_min_read)) {
             pthread_mutex_unlock(&self->mu);
             return ST_REQUEST;
         }
@@ -839,8 +848,10 @@ static PyMethodDef Memory_methods[] = {
 static PyTypeObject MemoryType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "snapshotter.mount._fastreads.Memory",
     .tp_doc = PyDoc_STR("Memory(sector_size, image_size, drain_every=4, log_capacity=4096, "
-                        "wait_seconds=0.25): the sectors a mount's reader keeps in memory, "
-                        "for FUSE READs answered without the interpreter."),
+                        "wait_seconds=0.25, disk_min_read=0): the sectors a mount's reader "
+                        "keeps in memory, and cache entries it checked, for FUSE READs "
+                        "answered without the interpreter (of entries, only READs longer "
+                        "than disk_min_read)."),
     .tp_basicsize = sizeof(Memory),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from imagetool import profile as profiles
 from imagetool.profile import Profile
+from snapshotter.cache.sectors import READ_AROUND_MAX
 from snapshotter.datapath.reader import BlockReader
 from snapshotter.errors import SnapshotterError
 from snapshotter.metrics import Counter
@@ -65,7 +66,10 @@ class BlockFile:
             # Its log comes back every sector's worth of READs: read-ahead moves along as
             # often as when each READ was answered here.
             drain = max(2, reader.index.sector_size // MAX_READ)
-            self.fast = compiled_memory(reader.index.sector_size, reader.size, drain)
+            # Small reads of the cache are Python's: its read-around windows answer the
+            # small reads that follow from memory.
+            self.fast = compiled_memory(reader.index.sector_size, reader.size, drain,
+                                        disk_min_read=READ_AROUND_MAX)  # fmt: skip
         if self.fast is not None:
             reader.mirror_memory(self.fast)
             # A READ of a sector being fetched waits there for it, not in Python.

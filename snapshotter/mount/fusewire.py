@@ -132,13 +132,16 @@ def compiled_reads_wanted() -> bool:
     return _fastreads is not None and os.environ.get(COMPILED_READS_ENV, "1") != "0"
 
 
-def compiled_memory(sector_size: int, image_size: int, drain_every: int) -> object | None:
-    """A table of sectors in memory for the compiled loop to answer READs from
-    (``_fastreads.Memory``, a ``FileSource``'s ``fast``); None where that loop is not built
-    or turned off (``compiled_reads_wanted``)."""
+def compiled_memory(
+    sector_size: int, image_size: int, drain_every: int, disk_min_read: int = 0
+) -> object | None:
+    """A table of sectors in memory (and cache entries) for the compiled loop to answer
+    READs from (``_fastreads.Memory``, a ``FileSource``'s ``fast``; READs of entries only
+    when longer than ``disk_min_read``); None where that loop is not built or turned off
+    (``compiled_reads_wanted``)."""
     if not compiled_reads_wanted():
         return None
-    return _fastreads.Memory(sector_size, image_size, drain_every)
+    return _fastreads.Memory(sector_size, image_size, drain_every, disk_min_read=disk_min_read)
 
 
 class FuseError(SnapshotterError):

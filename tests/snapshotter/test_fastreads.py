@@ -375,3 +375,26 @@ def test_an_entry_gone_from_disk_goes_to_the_caller(
     loop.kernel.send(req)
     assert loop.wait() == (_fastreads.REQUEST, len(req), req)
     assert memory.sectors == 0
+
+
+def test_small_reads_of_entries_go_to_the_caller(entries: Path) -> None:
+    """Python keeps the 128 KiB around a small read of the cache in memory (read-around),
+    where the small reads that follow find it: those are its."""
+    require(_fastreads is not None, "snapshotter.mount._fastreads is not built (pip install -e .)")
+    memory = _fastreads.Memory(SECTOR, IMAGE, disk_min_read=4096)
+    memory.cached(1, *entry_file(entries / "e1", 1), BLOCK)
+    memory.put(2, memoryview(sector_bytes(2)))
+    loop = Loop(memory)
+    try:
+        small = request(fusewire.READ, 1, SECTOR + 10, 4096)
+        loop.serve_once()
+        loop.kernel.send(small)
+        assert loop.wait() == (_fastreads.REQUEST, len(small), small)
+        memory.handed()
+        loop.serve_once()
+        for unique, (offset, size) in enumerate([(2 * SECTOR, 100), (SECTOR + 10, 4097)], 2):
+            loop.kernel.send(request(fusewire.READ, unique, offset, size))  # memory: any size
+            assert loop.answer() == (0, unique, IMAGE_BYTES[offset : offset + size])
+        assert memory.disk_reads == 1
+    finally:
+        loop.close()
