@@ -104,21 +104,6 @@ static uint64_t span_of(Memory *self, uint64_t n) {
     return left < self->sector_size ? left : self->sector_size;
 }
 
-/* Release the buffers of the graveyard: the interpreter's lock is held. */
-static void bury(Memory *self) {
-    held *dead;
-    pthread_mutex_lock(&self->mu);
-    dead = self->graveyard;
-    self->graveyard = NULL;
-    pthread_mutex_unlock(&self->mu);
-    while (dead != NULL) {
-        held *next = dead->next;
-        PyBuffer_Release(&dead->view);
-        PyMem_RawFree(dead);
-        dead = next;
-    }
-}
-
 /* Take ``old`` out of use (mutex held): released now if nobody writes from it, else by
  * the last writer's unpin. Returns it if the caller must release it (after unlocking). */
 static held *retire(held *old) {
@@ -129,6 +114,8 @@ static held *retire(held *old) {
     return old->pins == 0 ? old : NULL;
 }
 
+/* Free a sector's hold: its buffer (the interpreter's lock is held), or its entry's path
+ * and digests. */
 static void release_now(held *h) {
     if (h != NULL) {
         if (h->path != NULL) {
@@ -139,6 +126,34 @@ static void release_now(held *h) {
         }
         PyMem_RawFree(h);
     }
+}
+
+/* Release what the graveyard holds: the interpreter's lock is held. */
+static void bury(Memory *self) {
+    held *dead;
+    pthread_mutex_lock(&self->mu);
+    dead = self->graveyard;
+    self->graveyard = NULL;
+    pthread_mutex_unlock(&self->mu);
+    while (dead != NULL) {
+        held *next = dead->next;
+        release_now(dead);
+        dead = next;
+    }
+}
+
+/* Take sector n out of the table (only if it is an entry, with ``entries_only``). The
+ * interpreter's lock is held. */
+static void take_out(Memory *self, uint64_t n, int entries_only) {
+    held *old = NULL;
+    pthread_mutex_lock(&self->mu);
+    held *h = self->slots[n];
+    if (h != NULL && (!entries_only || h->path != NULL)) {
+        old = retire(h);
+        self->slots[n] = NULL;
+    }
+    pthread_mutex_unlock(&self->mu);
+    release_now(old);
 }
 
 static int Memory_init(Memory *self, PyObject *args, PyObject *kwds) {
@@ -225,6 +240,14 @@ static int check_sector(Memory *self, unsigned long long n) {
     return 0;
 }
 
+/* The one argument of a call about sector ``*n``: -1 with an exception if it is not one. */
+static int sector_arg(Memory *self, PyObject *args, unsigned long long *n) {
+    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", n) || check_sector(self, *n) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(put_doc, "put(n, buffer): sector n's verified bytes are in ``buffer`` (at least "
                       "the sector's length), until it is dropped or replaced.");
 
@@ -243,11 +266,12 @@ static PyObject *Memory_put(Memory *self, PyObject *args) {
         PyMem_RawFree(h);
         return NULL;
     }
-    if ((uint64_t)h->view.len < span_of(self, n)) {
+    Py_ssize_t len = h->view.len;
+    if ((uint64_t)len < span_of(self, n)) {
         PyBuffer_Release(&h->view);
         PyMem_RawFree(h);
         return PyErr_Format(PyExc_ValueError, "sector %llu has %llu bytes, the buffer %zd", n,
-                            (unsigned long long)span_of(self, n), h->view.len);
+                            (unsigned long long)span_of(self, n), len);
     }
     pthread_mutex_lock(&self->mu);
     held *old = retire(self->slots[n]);
@@ -327,17 +351,10 @@ PyDoc_STRVAR(uncache_doc, "uncache(n): sector n's cache entry is no longer read 
 
 static PyObject *Memory_uncache(Memory *self, PyObject *args) {
     unsigned long long n;
-    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+    if (sector_arg(self, args, &n) < 0) {
         return NULL;
     }
-    held *old = NULL;
-    pthread_mutex_lock(&self->mu);
-    if (self->slots[n] != NULL && self->slots[n]->path != NULL) {
-        old = retire(self->slots[n]);
-        self->slots[n] = NULL;
-    }
-    pthread_mutex_unlock(&self->mu);
-    release_now(old);
+    take_out(self, n, 1);
     bury(self);
     Py_RETURN_NONE;
 }
@@ -347,7 +364,7 @@ PyDoc_STRVAR(pending_doc, "pending(n): sector n is being fetched: a READ of it w
 
 static PyObject *Memory_pending(Memory *self, PyObject *args) {
     unsigned long long n;
-    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+    if (sector_arg(self, args, &n) < 0) {
         return NULL;
     }
     pthread_mutex_lock(&self->mu);
@@ -361,7 +378,7 @@ PyDoc_STRVAR(settled_doc, "settled(n): sector n's fetch ended (put() came first 
 
 static PyObject *Memory_settled(Memory *self, PyObject *args) {
     unsigned long long n;
-    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+    if (sector_arg(self, args, &n) < 0) {
         return NULL;
     }
     pthread_mutex_lock(&self->mu);
@@ -377,14 +394,10 @@ PyDoc_STRVAR(drop_doc, "drop(n): sector n is no longer in memory.");
 
 static PyObject *Memory_drop(Memory *self, PyObject *args) {
     unsigned long long n;
-    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "K", &n) || check_sector(self, n) < 0) {
+    if (sector_arg(self, args, &n) < 0) {
         return NULL;
     }
-    pthread_mutex_lock(&self->mu);
-    held *old = retire(self->slots[n]);
-    self->slots[n] = NULL;
-    pthread_mutex_unlock(&self->mu);
-    release_now(old);
+    take_out(self, n, 0);
     bury(self);
     Py_RETURN_NONE;
 }
@@ -396,11 +409,7 @@ static PyObject *Memory_clear(Memory *self, PyObject *unused) {
         return NULL;
     }
     for (uint64_t n = 0; n < self->count; n++) {
-        pthread_mutex_lock(&self->mu);
-        held *old = retire(self->slots[n]);
-        self->slots[n] = NULL;
-        pthread_mutex_unlock(&self->mu);
-        release_now(old);
+        take_out(self, n, 0);
     }
     pthread_mutex_lock(&self->mu);
     memset(self->pending, 0, self->count);

@@ -217,11 +217,11 @@ def test_bad_sectors_and_buffers_are_refused(memory: object) -> None:
     assert struct.calcsize("<IiQ") == OUT_HEADER.size
 
 
-def test_many_threads_answer_right_while_sectors_come_and_go() -> None:
-    """Four threads serve 2,000 READs while another puts, replaces and drops the sectors:
-    every answer is the image's bytes, from the loop or (a sector out of memory) the
-    caller, and no buffer is released while it is written from (the test would read
-    garbage or crash)."""
+def test_many_threads_answer_right_while_sectors_come_and_go(entries: Path) -> None:
+    """Four threads serve 2,000 READs while another puts, replaces and drops the sectors,
+    in memory and as cache entries: every answer is the image's bytes, from the loop or (a
+    sector out of the table) the caller, and no buffer is released while it is written from
+    (the test would read garbage or crash)."""
     require(_fastreads is not None, "snapshotter.mount._fastreads is not built (pip install -e .)")
     memory = _fastreads.Memory(SECTOR, IMAGE, drain_every=8, wait_seconds=0.05)
     kernel, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -249,14 +249,20 @@ def test_many_threads_answer_right_while_sectors_come_and_go() -> None:
             with lock:
                 by_caller += 1
 
+    files = [entry_file(entries / f"e{n}", n) for n in range(4)]
+
     def churn() -> None:
         rng = random.Random(3)
         while not stop.is_set():
             n = rng.randrange(4)
             action = rng.random()
-            if action < 0.5:
+            if action < 0.4:
                 memory.put(n, bytearray(sector_bytes(n)))  # a new buffer each time
-            elif action < 0.8:
+            elif action < 0.55:
+                memory.cached(n, *files[n], BLOCK)  # where nothing is held for it
+            elif action < 0.7:
+                memory.uncache(n)
+            elif action < 0.85:
                 memory.drop(n)
             else:
                 memory.pending(n)
@@ -284,6 +290,7 @@ def test_many_threads_answer_right_while_sectors_come_and_go() -> None:
         kernel.close()
         server.close()
     assert memory.served + by_caller == 2000 and memory.served > 0 and by_caller > 0
+    assert memory.disk_reads > 0 and memory.disk_failures == 0
     assert memory.in_flight == 0
 
 
