@@ -314,6 +314,10 @@ class BlockReader:
         cache, as ``read_view`` reads random ones), once a read here has found it whole and
         checked its trailer; at most ``MIRRORED_ENTRIES`` at once, the least recently given
         dropped first."""
+        with self._lock:
+            if n in self._mirrored_entries:  # given already (a small read, which stays here)
+                self._mirrored_entries.move_to_end(n)
+                return
         handle = self.fetcher.cached_entry(n)
         if handle is None:
             return
@@ -333,9 +337,10 @@ class BlockReader:
             self._mirror.uncache(old)
 
     def account_served(self, reads: list[tuple[int, int]]) -> None:
-        """Reads ``(offset, length)`` answered from the mirror of this reader's memory
-        (``mirror_memory``), in the order they were answered: counted, logged and followed
-        (sequential streams, read-ahead) as ``read_parts`` does its own."""
+        """Reads ``(offset, length)`` answered from the mirror of this reader's memory and
+        of the cache entries given to it (``mirror_memory``), in the order they were
+        answered: counted, logged and followed (sequential streams, read-ahead) as
+        ``read_parts`` does its own."""
         if not reads:
             return
         index = self.index
@@ -409,7 +414,8 @@ class BlockReader:
             n, _ = self._memory.popitem(last=False)
             self._used.pop(n, None)
             if self._mirror is not None:
-                self._mirror.drop(n)
+                self._mirror.drop(n)  # whatever it held for n, its entry too
+                self._mirrored_entries.pop(n, None)
 
     # --- sequential read-ahead ------------------------------------------------------------
 

@@ -329,10 +329,12 @@ class _EntryMirror(_Mirror):
     def __init__(self) -> None:
         super().__init__()
         self.entries: dict[int, str] = {}
+        self.given = 0
 
     def cached(self, n: int, path: str, digests: bytes, block: int) -> bool:
         assert len(digests) == 8 * -(-SECTOR // block)
         self.entries[n] = path
+        self.given += 1
         return True
 
     def uncache(self, n: int) -> None:
@@ -355,6 +357,8 @@ def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back
         assert reader.read(n * SECTOR + 200, 10) == image.data[n * SECTOR + 200 :][:10]
     assert sorted(mirror.entries) == stored
     assert all(p.endswith(image.index.sectors[n].checksum) for n, p in mirror.entries.items())
+    reader.read(stored[0] * SECTOR + 300, 10)  # given already: not again
+    assert mirror.given == len(stored)
     for offset in range(0, 3 * SECTOR, SECTOR // 4):  # a stream, which reads ahead of it
         reader.read(offset, SECTOR // 4)
     assert not any(n in mirror.entries for n in range(3, 7)), mirror.entries
