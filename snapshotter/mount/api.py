@@ -514,12 +514,11 @@ def unmount(mountpoint: Path, config: MountConfig, *, lazy: bool = False) -> Non
     if record is not None and record.loop_device:
         _release_loop(record.loop_device, fuse_dir, record.local_copy, unrecorded)
     if record is not None and record.local_copy:
-        try:
-            sectors.remove_copy(record.cache_dir, record.local_copy)
-        except (OSError, CacheError) as e:  # a rescan of the cache removes it
-            log.warning("cannot remove the local copy %s: %s", record.local_copy, e)
+        _remove_copy(record, record.local_copy)
     if record is not None and unrecorded:
-        _remove_unrecorded(record, unrecorded)
+        log.warning("the loop device of %s read %s, a local copy it did not record; "
+                    "removing it", record.mountpoint, unrecorded)  # fmt: skip
+        _remove_copy(record, unrecorded)
     if directory.exists() and not (alive and lazy and record and record.alive):
         state.remove_mount_dir(directory)
 
@@ -564,11 +563,10 @@ def _unrecorded_copy(record: state.MountRecord | None) -> str:
     return ""
 
 
-def _remove_unrecorded(record: state.MountRecord, path: str) -> None:
-    """Remove a copy ``_unrecorded_copy`` found, once its loop device is gone, and take it
-    off the cache's count."""
-    log.warning("the loop device of %s read %s, a local copy it did not record; removing it",
-                record.mountpoint, path)  # fmt: skip
+def _remove_copy(record: state.MountRecord, path: str) -> None:
+    """Remove a local copy the mount's loop device read (recorded, or one
+    ``_unrecorded_copy`` found), once that device is gone, and take it off the cache's
+    count."""
     try:
         sectors.remove_copy(record.cache_dir, path)
     except (OSError, CacheError) as e:  # a rescan of the cache removes it
