@@ -84,10 +84,12 @@ def _stage(frames: list[str]) -> str:
 
 
 class CpuStages:
-    """``perf record -a -g`` while the ``with`` block runs."""
+    """``perf record -a -g`` while the ``with`` block runs (``pid``: of that process
+    alone, ``-p``)."""
 
-    def __init__(self, frequency: int = 499) -> None:
+    def __init__(self, frequency: int = 499, pid: int | None = None) -> None:
         self.frequency = frequency
+        self.target = ["-a"] if pid is None else ["-p", str(pid)]
         self.available = shutil.which("perf") is not None
         self._dir = tempfile.mkdtemp(prefix="lazyblock-perf-")
         self.data = Path(self._dir) / "perf.data"
@@ -96,8 +98,8 @@ class CpuStages:
     def __enter__(self) -> CpuStages:
         if self.available:
             self._proc = subprocess.Popen(
-                ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(self.frequency), "-a",
-                 "-g", "-o", str(self.data)],
+                ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(self.frequency),
+                 *self.target, "-g", "-o", str(self.data)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
             try:

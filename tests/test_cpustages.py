@@ -81,3 +81,19 @@ def test_a_real_recording_sees_a_busy_process() -> None:
     finally:
         stages.close()
     assert per["busy"]["total"] > 0.5  # about 1 CPU-second, sampled
+
+
+def test_a_recording_of_one_process_sees_it_alone() -> None:
+    require_tool("perf")
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    other = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        with CpuStages(frequency=199, pid=busy.pid) as stages:
+            require(stages.available, "perf cannot record here (perf_event_paranoid?)")
+            busy.wait()
+        per = stages.report({"busy": busy.pid, "other": other.pid}, 1.0)["per_GB"]
+    finally:
+        other.wait()
+        stages.close()
+    assert per["busy"]["total"] > 0.3 and "other" not in per, per

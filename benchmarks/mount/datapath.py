@@ -33,17 +33,16 @@ counts the data path's page faults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import queue
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,16 +53,6 @@ MIB = 1 << 20
 READ = MIB  # a FUSE READ of the loop device's requests
 WINDOW = 4 * MIB  # the mount's read-ahead window
 THREADS = 12  # FUSE's max_background: the requests in flight at once
-PERF_HZ = 499
-
-
-def _start_perf(path: str) -> subprocess.Popen[bytes]:
-    """``perf record`` of this process (call graphs) into ``path``, running."""
-    proc = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", str(PERF_HZ), "-g",
-                             "-p", str(os.getpid()), "-o", path],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    time.sleep(0.5)  # attached
-    return proc
 
 
 def _cpu() -> tuple[float, int]:
@@ -119,21 +108,28 @@ def child(doc: dict[str, Any]) -> dict[str, Any]:
     workers = [threading.Thread(target=serve, daemon=True) for _ in range(THREADS)]
     for t in workers:
         t.start()
-    perf = _start_perf(doc["perf"]) if doc.get("perf") else None
-    cpu0, faults0 = _cpu()
-    start = time.monotonic()
-    for window in range(0, size, WINDOW):
-        done = threading.Semaphore(0)
-        offsets = range(window, min(size, window + WINDOW), READ)
-        for offset in offsets:
-            requests.put((offset, done))
-        for _ in offsets:
-            done.acquire()
-    seconds = time.monotonic() - start
-    cpu1, faults1 = _cpu()
-    if perf is not None:
-        perf.send_signal(signal.SIGINT)
-        perf.wait(60)
+    # With ``stages``, the reads under ``perf record -p``: their CPU by stage. The tool is
+    # this script's own (beside it), whatever checkout is measured.
+    sys.path.insert(0, str(HERE.parent))
+    from cpustages import CpuStages
+
+    stages = CpuStages(pid=os.getpid()) if doc.get("stages") else None
+    with stages if stages is not None else contextlib.nullcontext():
+        cpu0, faults0 = _cpu()
+        start = time.monotonic()
+        for window in range(0, size, WINDOW):
+            done = threading.Semaphore(0)
+            offsets = range(window, min(size, window + WINDOW), READ)
+            for offset in offsets:
+                requests.put((offset, done))
+            for _ in offsets:
+                done.acquire()
+        seconds = time.monotonic() - start
+        cpu1, faults1 = _cpu()
+    if stages is not None:
+        table = stages.report({"data_path": os.getpid()}, size / 1e9)["per_GB"]
+        out["stages"] = table.get("data_path", {})  # type: ignore[union-attr]
+        stages.close()
     for _ in workers:
         requests.put(None)
     for t in workers:
@@ -183,11 +179,11 @@ def essential(opened: Any, gigabytes: float, decoded: Any, block: int) -> dict[s
     return out
 
 
-def run_part(checkout: Path, ref: str, cache: Path, part: str, perf: Path | None = None
+def run_part(checkout: Path, ref: str, cache: Path, part: str, stages: bool = False
              ) -> dict[str, Any]:  # fmt: skip
-    """``child``'s ``part`` in a new interpreter running ``checkout``; with ``perf``, its
-    reads recorded by ``perf record`` (call graphs) into that file."""
-    doc = {"ref": ref, "cache": str(cache), "part": part, "perf": str(perf) if perf else None}
+    """``child``'s ``part`` in a new interpreter running ``checkout``; with ``stages``, its
+    reads split by stage under ``perf`` (``stages`` in the result)."""
+    doc = {"ref": ref, "cache": str(cache), "part": part, "stages": stages}
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(doc)], env=env,
                           capture_output=True, text=True)  # fmt: skip
@@ -203,26 +199,16 @@ def run_round(checkout: Path, ref: str, cache: Path) -> dict[str, Any]:
     return out
 
 
-def data_path_stages(checkout: Path, ref: str, cache: Path, gigabytes: float) -> dict[str, float]:
+def data_path_stages(checkout: Path, ref: str, cache: Path) -> dict[str, float]:
     """The data path once more under ``perf record``: its CPU per GB of image by stage
     (``benchmarks/cpustages.py``'s rules); empty where perf cannot record."""
-    from benchmarks.cpustages import parse_script, tabulate
-
     if shutil.which("perf") is None:
         return {}
-    with tempfile.TemporaryDirectory(prefix="lazyblock-perf-") as tmp:
-        data = Path(tmp) / "perf.data"
-        try:
-            run_part(checkout, ref, cache, "data_path", perf=data)
-        except SystemExit as e:
-            print(f"no stages: {e}", file=sys.stderr)
-            return {}
-        text = subprocess.run(["perf", "script", "-i", str(data), "-F", "comm,pid,ip,sym,dso"],
-                              capture_output=True, text=True, check=False).stdout  # fmt: skip
-    samples = [("data_path", 0, frames) for comm, _, frames in parse_script(text)
-               if not comm.startswith("perf")]  # fmt: skip
-    table = tabulate(samples, {"data_path": 0}, gigabytes, PERF_HZ)["per_GB"]
-    return table.get("data_path", {})  # type: ignore[union-attr]
+    try:
+        return run_part(checkout, ref, cache, "data_path", stages=True)["stages"]
+    except SystemExit as e:
+        print(f"no stages: {e}", file=sys.stderr)
+        return {}
 
 
 def main() -> int:
@@ -260,9 +246,8 @@ def main() -> int:
             results[name] = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
             results[name]["per_round"] = per_round
             if args.stages:
-                gigabytes = per_round[0]["image_GB"]
                 results[name]["data_path_stages"] = data_path_stages(
-                    checkouts[name], ref, args.work / "datapath-cache", gigabytes
+                    checkouts[name], ref, args.work / "datapath-cache"
                 )
     finally:
         registry.stop()
