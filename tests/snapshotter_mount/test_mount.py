@@ -109,7 +109,6 @@ def test_random_reads_of_the_cache_are_checked_and_right_in_compiled_code(
     fuse_file = state.mount_dir(cfg.state_dir, mnt) / state.FUSE_DIR / fuse.IMAGE_NAME
     with open(fuse_file, "rb") as f:
         f.read()  # every sector in the node cache
-    api.stats(mnt, cfg)
     size = len(expected)
     spots = [(i * 1_000_003) % (size - 65_536) // 4096 * 4096 for i in range(32)]
     buf = mmap.mmap(-1, 65_536)
