@@ -296,7 +296,8 @@ class BlockReader:
             self._memory.clear()
             self._used.clear()
             if self._mirror is not None:
-                self._mirror.clear()
+                self._mirror.clear()  # the entries given to it too
+                self._mirrored_entries.clear()
 
     def mirror_memory(self, mirror: MemoryMirror) -> None:
         """Keep ``mirror`` a copy of the sectors held in memory: every one added is
@@ -308,12 +309,14 @@ class BlockReader:
             for n, data in self._memory.items():
                 mirror.put(n, data)
             self._mirror = mirror
+            self._mirrored_entries.clear()
 
     def _mirror_entry(self, n: int) -> None:
         """Give the mirror sector ``n``'s cache entry to answer reads from (past the page
-        cache, as ``read_view`` reads random ones), once a read here has found it whole and
-        checked its trailer; at most ``MIRRORED_ENTRIES`` at once, the least recently given
-        dropped first."""
+        cache, as ``read_view`` reads random ones), where this process knows the entry's
+        block digests: it wrote the entry (``_mirror_evicted``), or a read here found it
+        whole and checked its trailer. At most ``MIRRORED_ENTRIES`` at once, the least
+        recently given dropped first."""
         with self._lock:
             if n in self._mirrored_entries:  # given already (a small read, which stays here)
                 self._mirrored_entries.move_to_end(n)
@@ -335,6 +338,15 @@ class BlockReader:
             )
         if old is not None:
             self._mirror.uncache(old)
+
+    def _mirror_evicted(self, evicted: list[int]) -> None:
+        """Sectors just evicted from memory: the mirror reads them from their cache entries
+        from now on, instead of sending their next READs here for a first look at each
+        entry (a sector fetched by this process has its entry's digests known already)."""
+        if self._mirror is None:
+            return
+        for n in evicted:
+            self._mirror_entry(n)
 
     def account_served(self, reads: list[tuple[int, int]]) -> None:
         """Reads ``(offset, length)`` answered from the mirror of this reader's memory and
@@ -390,7 +402,8 @@ class BlockReader:
             self._memory.move_to_end(n)
             if self._mirror is not None:
                 self._mirror.put(n, data)
-            self._evict()
+            evicted = self._evict()
+        self._mirror_evicted(evicted)
 
     def _remember(
         self, fetched: dict[int, SectorBytes], spans: dict[int, tuple[int, int, int]]
@@ -406,16 +419,20 @@ class BlockReader:
                     self._mirror.put(n, data)
                 _, lo, hi = spans[n]
                 self._used[n] = self._used.get(n, 0) + hi - lo
-            self._evict()
+            evicted = self._evict()
+        self._mirror_evicted(evicted)
 
-    def _evict(self) -> None:
-        """Lock held."""
+    def _evict(self) -> list[int]:
+        """Lock held. Returns the sectors evicted."""
+        evicted = []
         while len(self._memory) > self.memory_sectors:
             n, _ = self._memory.popitem(last=False)
             self._used.pop(n, None)
+            evicted.append(n)
             if self._mirror is not None:
                 self._mirror.drop(n)  # whatever it held for n, its entry too
                 self._mirrored_entries.pop(n, None)
+        return evicted
 
     # --- sequential read-ahead ------------------------------------------------------------
 

@@ -340,6 +340,14 @@ class _EntryMirror(_Mirror):
     def uncache(self, n: int) -> None:
         self.entries.pop(n, None)
 
+    def drop(self, n: int) -> None:
+        self.sectors.pop(n, None)
+        self.entries.pop(n, None)
+
+    def clear(self) -> None:
+        super().clear()
+        self.entries.clear()
+
 
 def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back(
     image: Image, make_fetcher: MakeFetcher
@@ -362,3 +370,30 @@ def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back
     for offset in range(0, 3 * SECTOR, SECTOR // 4):  # a stream, which reads ahead of it
         reader.read(offset, SECTOR // 4)
     assert not any(n in mirror.entries for n in range(3, 7)), mirror.entries
+
+
+def test_sectors_evicted_from_memory_are_read_from_their_entries_by_the_mirror(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    reader = BlockReader(image.index, fetcher, memory_sectors=2, readahead_bytes=0)
+    mirror = _EntryMirror()
+    reader.mirror_memory(mirror)
+    stored = [n for n in range(image.index.sector_count) if not image.index.sectors[n].is_zero]
+    assert len(stored) >= 4
+    for n in stored[:4]:
+        reader.read(n * SECTOR, 10)  # fetched into memory; the first two pushed out
+    # in memory: the last two; the two evicted are read from the entries this process wrote
+    assert sorted(mirror.sectors) == stored[2:4]
+    assert sorted(mirror.entries) == stored[:2]
+    for n, path in mirror.entries.items():
+        with open(path, "rb") as f:  # the entry of that sector, whole
+            assert f.read(100) == image.data[n * SECTOR : n * SECTOR + 100]
+    hits, given = fetcher.metrics.cache_hits.value, mirror.given
+    # read here too (a READ the mirror handed over): from the entry, not given again
+    assert reader.read(stored[0] * SECTOR + 50, 10) == image.data[stored[0] * SECTOR + 50 :][:10]
+    assert fetcher.metrics.cache_hits.value == hits + 1 and mirror.given == given
+    reader.drop_memory()  # the mirror forgets everything, and the reader that it gave it
+    assert mirror.entries == {} and mirror.sectors == {}
+    reader.read(stored[1] * SECTOR + 100, 10)  # from the cache: given again
+    assert stored[1] in mirror.entries
