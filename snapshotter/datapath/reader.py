@@ -190,13 +190,15 @@ class BlockReader:
         return done
 
     def read_parts(
-        self, offset: int, length: int, scratch: memoryview | None = None
+        self, offset: int, length: int, scratch: memoryview | None = None, waited: float = 0.0
     ) -> list[memoryview]:
         """Image bytes ``[offset, offset+length)``, short at the end of the image, as views
         whose concatenation they are: of the sectors in memory, of the ``scratch``
         (page-aligned memory of the caller's, e.g. the FUSE thread's) that sectors in the
         node cache are read into, of sectors just fetched. Every byte verified; nothing
-        copied. The FUSE file answers a read with these views as they are.
+        copied. The FUSE file answers a read with these views as they are. ``waited``:
+        seconds the read has already waited for a fetch elsewhere (the compiled READ loop),
+        taken off its ``timeout``.
 
         Raises ``FetchError`` when sectors cannot be fetched in time (EIO).
         """
@@ -248,7 +250,7 @@ class BlockReader:
                         parts[n] = view
             wanted = [n for n in wanted if n not in parts]
         if wanted:
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout - waited
             fetched = self.fetcher.get(wanted, deadline)
             self._remember(fetched, spans)
             for n, data in fetched.items():

@@ -13,14 +13,16 @@
  * READ of sectors that are being fetched now (``pending``, from the fetcher's workers)
  * waits here, up to ``wait_seconds``, for their ``put``. Anything else (another request, a
  * READ of a sector nobody fetches, a wait that ran out) goes back to the Python caller,
- * which handles it as before, deadlines and errors included. The READs answered here are
+ * which handles it as before, deadlines and errors included (``serve`` says how long the
+ * READ waited here, so that its deadline counts that wait). The READs answered here are
  * logged; every ``drain_every`` of them the call returns so that the caller hands the log
  * to the reader's bookkeeping (its streams and read-ahead, the startup profile, metrics).
  *
- * A warm mount reads from the node cache instead. Once a READ answered in Python has found
- * a sector's cache entry whole and checked its trailer, the reader gives the table the
- * entry's path and block digests (``cached``): a READ of it is then answered here too, the
- * entry opened, the blocks that cover the READ read with direct I/O into this thread's
+ * A warm mount reads from the node cache instead. Once the reader knows a sector's cache
+ * entry's block digests (it evicted the sector from memory after fetching and writing it,
+ * or a READ answered in Python found the entry whole and checked its trailer), it gives
+ * the table the entry's path and digests (``cached``): a READ of it is then answered here
+ * too, the entry opened, the blocks that cover the READ read with direct I/O into this thread's
  * scratch and each checked against its digest (xxh3-64) before anything is written. A
  * block that does not check, or an entry that is gone, hands the READ to Python (which
  * deals with a damaged entry and fetches again) and takes the entry out of the table. A
@@ -541,9 +543,16 @@ static ssize_t read_checked(held *h, uint64_t size, uint64_t lo, uint64_t hi,
 /* Mutex held: whether sectors [first, first+count) are all in the table (then in
  * ``pieces``), waiting up to ``wait_ns`` while those missing are all being fetched. */
 static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces,
-                        int disk_too) {
-    struct timespec deadline = {0, 0};
+                        int disk_too, int64_t *waited_ns) {
+    struct timespec deadline = {0, 0}, began;
     for (;;) {
+        if (deadline.tv_sec != 0 || deadline.tv_nsec != 0) {
+            /* How long this READ has waited so far: Python's deadline counts it. */
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            *waited_ns = (int64_t)(now.tv_sec - began.tv_sec) * 1000000000L +
+                         (now.tv_nsec - began.tv_nsec);
+        }
         if (self->log_len + self->log_reserved >= self->log_cap) {
             return 0; /* Python drains it first */
         }
@@ -566,23 +575,27 @@ static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pie
         }
         if (deadline.tv_sec == 0 && deadline.tv_nsec == 0) {
             clock_gettime(CLOCK_MONOTONIC, &deadline);
+            began = deadline;
             deadline.tv_nsec += self->wait_ns % 1000000000L;
             deadline.tv_sec += self->wait_ns / 1000000000L + deadline.tv_nsec / 1000000000L;
             deadline.tv_nsec %= 1000000000L;
         }
         if (pthread_cond_timedwait(&self->arrived, &self->mu, &deadline) == ETIMEDOUT) {
-            return 0; /* Python waits on, with its own deadline */
+            *waited_ns = self->wait_ns;
+            return 0; /* Python waits on, with its own deadline less this wait */
         }
     }
 }
 
 /* Answer READs from the table until a request must go to Python; the interpreter's lock is
- * not held. Returns a status; *got: the request's length for ST_REQUEST; *err: the errno. */
+ * not held. Returns a status; *got: the request's length for ST_REQUEST; *err: the errno;
+ * *waited_ns: how long that request waited here for a fetch. */
 static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssize_t *got,
-                      int *err) {
+                      int *err, int64_t *waited_ns) {
     held *pieces[MAX_PIECES];
     struct iovec iov[MAX_PIECES + 1];
     for (;;) {
+        *waited_ns = 0;
         ssize_t n = read(fd, buf, size);
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT) {
@@ -622,7 +635,8 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
             return ST_REQUEST;
         }
         pthread_mutex_lock(&self->mu);
-        if (!have_or_wait(self, first, count, pieces, end - offset > self->disk_min_read)) {
+        if (!have_or_wait(self, first, count, pieces, end - offset > self->disk_min_read,
+                          waited_ns)) {
             pthread_mutex_unlock(&self->mu);
             return ST_REQUEST;
         }
@@ -749,11 +763,13 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
 }
 
 PyDoc_STRVAR(serve_doc,
-             "serve(fd, buffer) -> (status, n): read requests from ``fd`` into ``buffer`` and "
-             "answer the READs this table can, until one of: 0, a request for the caller "
-             "(its n bytes in ``buffer``; call handed() once it counts it); 1, the log "
-             "wants a drain(); 2, the connection ended (unmounted); 3, an answer could not "
-             "be written (n: its errno). Raises OSError when reading ``fd`` fails.");
+             "serve(fd, buffer) -> (status, n, waited): read requests from ``fd`` into "
+             "``buffer`` and answer the READs this table can, until one of: 0, a request for "
+             "the caller (its n bytes in ``buffer``; call handed() once it counts it; "
+             "``waited``: the seconds it waited here for a fetch, which the caller's "
+             "deadline counts); 1, the log wants a drain(); 2, the connection ended "
+             "(unmounted); 3, an answer could not be written (n: its errno). Raises OSError "
+             "when reading ``fd`` fails.");
 
 static PyObject *Memory_serve(Memory *self, PyObject *args) {
     int fd;
@@ -762,9 +778,10 @@ static PyObject *Memory_serve(Memory *self, PyObject *args) {
         return NULL;
     }
     ssize_t got = 0;
+    int64_t waited_ns = 0;
     int err = 0, status;
     Py_BEGIN_ALLOW_THREADS
-    status = serve_loop(self, fd, buf.buf, (size_t)buf.len, &got, &err);
+    status = serve_loop(self, fd, buf.buf, (size_t)buf.len, &got, &err, &waited_ns);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&buf);
     bury(self);
@@ -777,7 +794,10 @@ static PyObject *Memory_serve(Memory *self, PyObject *args) {
     } else if (status != ST_REQUEST) {
         got = 0;
     }
-    return Py_BuildValue("(in)", status, got);
+    if (status != ST_REQUEST) {
+        waited_ns = 0;
+    }
+    return Py_BuildValue("(ind)", status, got, (double)waited_ns / 1e9);
 }
 
 static PyObject *Memory_get_in_flight(Memory *self, void *closure) {

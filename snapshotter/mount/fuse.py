@@ -79,9 +79,11 @@ class BlockFile:
     def size(self) -> int:
         return self.reader.size
 
-    def read_parts(self, offset: int, length: int, scratch: memoryview) -> list[memoryview]:
+    def read_parts(
+        self, offset: int, length: int, scratch: memoryview, waited: float = 0.0
+    ) -> list[memoryview]:
         try:
-            parts = self.reader.read_parts(offset, length, scratch)
+            parts = self.reader.read_parts(offset, length, scratch, waited)
         except SnapshotterError as e:
             self.read_errors.inc()
             log.warning("read %d+%d: %s: %s", offset, length, type(e).__name__, e)

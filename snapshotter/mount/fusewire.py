@@ -165,10 +165,14 @@ class FileSource(Protocol):
     @property
     def size(self) -> int: ...
 
-    def read_parts(self, offset: int, length: int, scratch: memoryview) -> Sequence[object]:
+    def read_parts(
+        self, offset: int, length: int, scratch: memoryview, waited: float = 0.0
+    ) -> Sequence[object]:
         """Buffers whose concatenation is bytes ``[offset, offset+length)`` (short at the
         end of the file); ``scratch`` is this thread's page-aligned memory for bytes that
-        must be read from somewhere first. Raises ``ReadError``."""
+        must be read from somewhere first; ``waited``: seconds the request has already
+        waited for its bytes (in the compiled loop), which its deadline counts. Raises
+        ``ReadError``."""
         ...
 
 
@@ -297,10 +301,12 @@ class FuseServer:
         fast = self._fast
         unpack_in = IN_HEADER.unpack_from
         while True:
+            waited = 0.0  # seconds the request waited in the compiled loop for a fetch
             if fast is not None:
-                n = self._next_for_python(fast, fd, buf)
-                if n is None:
+                got = self._next_for_python(fast, fd, buf)
+                if got is None:
                     return
+                n, waited = got
             else:
                 try:
                     n = os.readv(fd, [buf])
@@ -320,7 +326,7 @@ class FuseServer:
                 fast.handed()  # counted here from now on
             try:
                 if opcode == READ:
-                    self._read(fd, unique, view, scratch)
+                    self._read(fd, unique, view, scratch, waited)
                 else:
                     self._other(fd, opcode, unique, nodeid, view[IN_HEADER.size : n])
             except Exception:  # a bug: answer EIO and keep serving
@@ -331,12 +337,13 @@ class FuseServer:
                 with self._lock:
                     self._in_flight -= 1
 
-    def _next_for_python(self, fast: object, fd: int, buf: bytearray) -> int | None:
+    def _next_for_python(self, fast: object, fd: int, buf: bytearray) -> tuple[int, float] | None:
         """Have the compiled loop answer what it can (``_fastreads.Memory.serve``); the
-        length of the next request for Python, in ``buf``, or None once unmounted."""
+        length of the next request for Python, in ``buf``, and the seconds it waited there
+        for a fetch; None once unmounted."""
         while True:
             try:
-                status, n = fast.serve(fd, buf)  # type: ignore[attr-defined]
+                status, n, waited = fast.serve(fd, buf)  # type: ignore[attr-defined]
             except OSError:
                 log.exception("reading /dev/fuse failed")
                 return None
@@ -344,7 +351,7 @@ class FuseServer:
                 # The reads answered so far go into the source's bookkeeping first: a READ
                 # answered here moves read-ahead along as one answered in Python does.
                 self.source.drain()  # type: ignore[attr-defined]
-                return n
+                return n, waited
             if status == _fastreads.DRAIN:
                 self.source.drain()  # type: ignore[attr-defined]
             elif status == _fastreads.ENDED:
@@ -352,10 +359,12 @@ class FuseServer:
             else:  # REPLY_FAILED, n its errno
                 log.error("answering a FUSE read failed: %s", os.strerror(n))
 
-    def _read(self, fd: int, unique: int, request: memoryview, scratch: memoryview) -> None:
+    def _read(
+        self, fd: int, unique: int, request: memoryview, scratch: memoryview, waited: float
+    ) -> None:
         _, offset, size, *_ = READ_IN.unpack_from(request, IN_HEADER.size)
         try:
-            parts = self.source.read_parts(offset, size, scratch)
+            parts = self.source.read_parts(offset, size, scratch, waited)
         except ReadError as e:
             self._error(fd, unique, e.errno)
             return

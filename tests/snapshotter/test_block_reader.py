@@ -119,6 +119,23 @@ def test_store_failure_is_a_fetch_error(image: Image, store, make_fetcher: MakeF
     assert reader.read(2 * SECTOR, 10) == image.data[2 * SECTOR : 2 * SECTOR + 10]
 
 
+def test_a_read_that_waited_elsewhere_gives_up_that_much_sooner(
+    image: Image, store, make_fetcher: MakeFetcher
+) -> None:
+    reader = BlockReader(image.index, make_fetcher(FetchConfig(deadline=30.0)), timeout=1.0)
+    store.hang()
+    try:
+        for waited, most in ((0.0, 3.0), (0.7, 0.9)):
+            start = time.monotonic()
+            with pytest.raises(FetchError):
+                reader.read_parts(2 * SECTOR, 10, waited=waited)
+            took = time.monotonic() - start
+            # the read's timeout is 1 s in all, the time it waited in the compiled loop too
+            assert 1.0 - waited - 0.05 <= took <= most, (waited, took)
+    finally:
+        store.release()
+
+
 def test_a_sequential_reader_gets_sectors_fetched_ahead(
     image: Image, store, make_fetcher: MakeFetcher
 ) -> None:

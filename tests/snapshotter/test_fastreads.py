@@ -54,6 +54,7 @@ class Loop:
         self.memory = memory
         self.kernel, self.server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.results: list[tuple[int, int, bytes]] = []
+        self.waited: list[float] = []  # what each serve() said its request waited
         self.buf = bytearray(fusewire.REQUEST_BUFFER)
         self._thread: threading.Thread | None = None
 
@@ -61,8 +62,9 @@ class Loop:
         """One ``serve`` call, in a thread (``wait`` for it)."""
 
         def run() -> None:
-            status, n = self.memory.serve(self.server.fileno(), self.buf)  # type: ignore[attr-defined]
+            status, n, waited = self.memory.serve(self.server.fileno(), self.buf)  # type: ignore[attr-defined]
             self.results.append((status, n, bytes(self.buf[:n]) if status == 0 else b""))
+            self.waited.append(waited)
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
@@ -154,7 +156,7 @@ def test_a_read_of_a_sector_being_fetched_waits_for_it(memory: object, loop: Loo
 
 
 def test_a_failed_fetch_or_a_long_wait_hands_the_read_to_the_caller(memory: object) -> None:
-    short = _fastreads.Memory(SECTOR, IMAGE, wait_seconds=0.1)
+    short = _fastreads.Memory(SECTOR, IMAGE, wait_seconds=0.3)
     for mem, settle in ((memory, True), (short, False)):
         loop = Loop(mem)
         try:
@@ -166,6 +168,16 @@ def test_a_failed_fetch_or_a_long_wait_hands_the_read_to_the_caller(memory: obje
                 time.sleep(0.1)
                 mem.settled(2)  # type: ignore[attr-defined]  # the fetch failed: no put
             assert loop.wait() == (_fastreads.REQUEST, len(req), req)
+            # how long it waited here, for the caller's deadline to count
+            if settle:
+                assert 0.1 <= loop.waited[-1] < 2.0, loop.waited
+            else:
+                assert loop.waited[-1] == pytest.approx(0.3)
+            loop.serve_once()
+            other = request(fusewire.GETATTR, 4, 0, 0)
+            loop.kernel.send(other)
+            assert loop.wait() == (_fastreads.REQUEST, len(other), other)
+            assert loop.waited[-1] == 0.0  # nothing waited for
         finally:
             loop.close()
 
@@ -234,7 +246,7 @@ def test_many_threads_answer_right_while_sectors_come_and_go(entries: Path) -> N
         nonlocal by_caller
         buf = bytearray(fusewire.REQUEST_BUFFER)
         while True:
-            status, n = memory.serve(server.fileno(), buf)
+            status, n, _ = memory.serve(server.fileno(), buf)
             if status == _fastreads.ENDED:
                 return
             if status == _fastreads.DRAIN:

@@ -33,7 +33,9 @@ class _Bytes:
     def size(self) -> int:
         return len(self.data)
 
-    def read_parts(self, offset: int, length: int, scratch: memoryview) -> Sequence[object]:
+    def read_parts(
+        self, offset: int, length: int, scratch: memoryview, waited: float = 0.0
+    ) -> Sequence[object]:
         with self._lock:
             self.requests.append((offset, length))
         end = min(offset + length, len(self.data))
