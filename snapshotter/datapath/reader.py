@@ -241,7 +241,10 @@ class BlockReader:
                 continue
             parts[n], took = got
             room = room[took:]
-            if self._mirror is not None and not sequential:
+            # A stream reads an entry through the page cache that its read-ahead fills
+            # (``_follow`` takes the entry from the mirror); once it has read to the
+            # entry's end, the mirror may read it again, for the random reads after it.
+            if self._mirror is not None and (not sequential or hi == index.sector_span(n)[1]):
                 self._mirror_entry(n)
         if wanted:  # ... or since its cache lookup: then the fetcher would read it back
             with self._lock:
@@ -317,8 +320,9 @@ class BlockReader:
         """Give the mirror sector ``n``'s cache entry to answer reads from (past the page
         cache, as ``read_view`` reads random ones), where this process knows the entry's
         block digests: it wrote the entry (``_mirror_evicted``), or a read here found it
-        whole and checked its trailer. At most ``MIRRORED_ENTRIES`` at once, the least
-        recently given dropped first."""
+        whole and checked its trailer (a random read, or a stream's that reached the
+        entry's end). At most ``MIRRORED_ENTRIES`` at once, the least recently given
+        dropped first."""
         with self._lock:
             if n in self._mirrored_entries:  # given already (a small read, which stays here)
                 self._mirrored_entries.move_to_end(n)

@@ -387,6 +387,12 @@ def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back
     for offset in range(0, 3 * SECTOR, SECTOR // 4):  # a stream, which reads ahead of it
         reader.read(offset, SECTOR // 4)
     assert not any(n in mirror.entries for n in range(3, 7)), mirror.entries
+    # ... through the page cache; the entries it has read to their end are given back
+    for offset in range(3 * SECTOR, 5 * SECTOR + SECTOR // 2, SECTOR // 4):
+        assert reader.read(offset, SECTOR // 4) == image.data[offset : offset + SECTOR // 4]
+    behind = [n for n in (3, 4) if n in stored]
+    assert behind and all(n in mirror.entries for n in behind), mirror.entries
+    assert 5 not in mirror.entries  # read in part
 
 
 def test_sectors_evicted_from_memory_are_read_from_their_entries_by_the_mirror(
