@@ -422,14 +422,22 @@ class SectorCache:
         self._hit(checksum, verified)
         return scratch[offset - lo : end - lo], took
 
-    def direct_entry(self, checksum: str, size: int) -> tuple[str, bytes, int] | None:
+    def direct_entry(
+        self, checksum: str, size: int, check: bool = False
+    ) -> tuple[str, bytes, int] | None:
         """For reading elsewhere (the compiled READ loop, ``snapshotter.mount._fastreads``):
         the entry's path, the digests of its blocks and their size, where this process has
-        checked its trailer, it holds ``size`` sector bytes and direct reads work here; else
-        None. Whoever reads it checks each block it reads against its digest."""
-        with self._lock:
-            verified = self._verified.get(checksum)
-        if verified is None or verified.size != size or not self._direct_read:
+        checked its trailer (``check``: checking it now if need be, as a first read does),
+        it holds ``size`` sector bytes and direct reads work here; else None. Whoever reads
+        it checks each block it reads against its digest."""
+        if not self._direct_read:
+            return None
+        if check:
+            verified = self._lookup(check_checksum(checksum))
+        else:
+            with self._lock:
+                verified = self._verified.get(checksum)
+        if verified is None or verified.size != size:
             return None
         return self._path(checksum), verified.digests, verified.block
 

@@ -315,13 +315,14 @@ class SectorFetcher:
             self.metrics.cache_hits.inc()
         return got
 
-    def cached_entry(self, n: int) -> tuple[str, bytes, int] | None:
-        """Sector ``n``'s cache entry for reading elsewhere (``SectorCache.direct_entry``):
-        its path, block digests and block size, or None."""
+    def cached_entry(self, n: int, check: bool = False) -> tuple[str, bytes, int] | None:
+        """Sector ``n``'s cache entry for reading elsewhere (``SectorCache.direct_entry``,
+        ``check`` its trailer if this process has not): its path, block digests and block
+        size, or None."""
         entry = self.index.sectors[n]
         if entry.is_zero:
             return None
-        return self.cache.direct_entry(entry.checksum, self.index.sector_span(n)[1])
+        return self.cache.direct_entry(entry.checksum, self.index.sector_span(n)[1], check)
 
     def on_fetched(self, callback: Callable[[int, SectorBytes], None]) -> None:
         """Call ``callback(n, data)`` with every sector fetched from the store and verified,

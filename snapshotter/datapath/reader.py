@@ -316,24 +316,58 @@ class BlockReader:
             self._mirror = mirror
             self._mirrored_entries.clear()
 
-    def _mirror_entry(self, n: int) -> None:
+    @property
+    def mirrored_entries(self) -> int:
+        """How many cache entries the mirror may read from now."""
+        with self._lock:
+            return len(self._mirrored_entries)
+
+    def mirror_cached(self, stop: threading.Event | None = None) -> int:
+        """Give the mirror the entries of this image that the node cache holds already,
+        each checked as a first read of it would check it (its trailer), the image's
+        prefetch order first, up to ``MIRRORED_ENTRIES``: a new server for a warm image
+        answers READs of them in the compiled loop from the first, not one first READ of
+        each in the interpreter. Skips sectors in memory and those a stream reads ahead
+        (through the page cache). Stops when ``stop`` is set. Returns how many it gave."""
+        if self._mirror is None:
+            return 0
+        index = self.index
+        given = 0
+        for n in dict.fromkeys([*index.prefetch, *range(index.sector_count)]):
+            if given >= MIRRORED_ENTRIES or (stop is not None and stop.is_set()):
+                break
+            if index.sectors[n].is_zero:
+                continue
+            with self._lock:
+                if (
+                    n in self._memory
+                    or n in self._mirrored_entries
+                    or any(s.ahead_from <= n < s.ahead_to for s in self._streams)
+                ):
+                    continue
+            if self._mirror_entry(n, check=True):
+                given += 1
+        return given
+
+    def _mirror_entry(self, n: int, check: bool = False) -> bool:
         """Give the mirror sector ``n``'s cache entry to answer reads from (past the page
         cache, as ``read_view`` reads random ones), where this process knows the entry's
         block digests: it wrote the entry (``_mirror_evicted``), or a read here found it
         whole and checked its trailer (a random read, or a stream's that reached the
-        entry's end). At most ``MIRRORED_ENTRIES`` at once, the least recently given
-        dropped first."""
+        entry's end), or ``check`` has it check the trailer now (``mirror_cached``). At
+        most ``MIRRORED_ENTRIES`` at once, the least recently given dropped first. Returns
+        whether it gave it now."""
         with self._lock:
             if n in self._mirrored_entries:  # given already (a small read, which stays here)
                 self._mirrored_entries.move_to_end(n)
-                return
-        handle = self.fetcher.cached_entry(n)
+                return False
+        handle = self.fetcher.cached_entry(n, check)
         if handle is None:
-            return
+            return False
         path, digests, block = handle
         assert self._mirror is not None
         if not self._mirror.cached(n, path, digests, block):
-            return
+            return False
         with self._lock:
             self._mirrored_entries[n] = None
             self._mirrored_entries.move_to_end(n)
@@ -344,6 +378,7 @@ class BlockReader:
             )
         if old is not None:
             self._mirror.uncache(old)
+        return True
 
     def _mirror_evicted(self, evicted: list[int]) -> None:
         """Sectors just evicted from memory: the mirror reads them from their cache entries

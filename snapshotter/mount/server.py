@@ -218,10 +218,32 @@ class MountServer:
             self._mount_seconds["launch"] = launched
         self._start_control()
         self._save("ready")
+        self._mirror_cached()
         log.info(
             "mounted %s (%s) at %s via %s in %.3fs",
             self.ref, self.index_digest, self.mountpoint, self._backing, phases.elapsed(),
         )  # fmt: skip
+
+    def _mirror_cached(self) -> None:
+        """In the background: the compiled READ loop is given the entries of this image
+        that the node cache holds (``BlockReader.mirror_cached``), so that a new server for
+        a warm image answers even the first READ of each without the interpreter."""
+        reader, operations = self.reader, self.operations
+        if reader is None or operations is None or operations.fast is None:
+            return
+
+        def run() -> None:
+            start = time.monotonic()
+            try:
+                given = reader.mirror_cached(self.stop_requested)
+            except Exception:  # the READs of those entries go through Python, as before
+                log.exception("giving the compiled read loop the cached entries failed")
+                return
+            if given:
+                log.info("%d cached sectors read past the interpreter (checked in %.2fs)",
+                         given, time.monotonic() - start)  # fmt: skip
+
+        threading.Thread(target=run, name="lazyblock-mirror-cached", daemon=True).start()
 
     def _start_control(self) -> None:
         self.control = ControlServer(
@@ -330,6 +352,7 @@ class MountServer:
             self._start_control()
             self._save("ready")
         self.prefetcher = Prefetcher.for_mount(self.fetcher, cfg.prefetch_config()).start()
+        self._mirror_cached()
         self._mount_seconds = phases.seconds()
         if launched is not None:
             self._mount_seconds["launch"] = launched
@@ -606,6 +629,8 @@ class MountServer:
                 # or, of those, from the node cache's entries
                 "compiled": self._fuse.compiled_reads if self._fuse else 0,
                 "compiled_from_cache": self._fuse.compiled_cache_reads if self._fuse else 0,
+                # cache entries the compiled loop may read now
+                "compiled_entries": self.reader.mirrored_entries,
             },
             "prefetch": {
                 "mode": self.config.prefetch_mode.value,

@@ -11,7 +11,9 @@ from collections.abc import Callable
 import pytest
 from datapath_support import SECTOR, Image, wait_until
 
+from snapshotter.cache.sectors import SectorCache
 from snapshotter.config import FetchConfig
+from snapshotter.datapath import reader as reader_module
 from snapshotter.datapath.fetcher import SectorFetcher
 from snapshotter.datapath.reader import READAHEAD_MARGIN, BlockReader
 from snapshotter.errors import FetchError, InvalidReadError
@@ -349,7 +351,7 @@ class _EntryMirror(_Mirror):
         self.given = 0
 
     def cached(self, n: int, path: str, digests: bytes, block: int) -> bool:
-        assert len(digests) == 8 * -(-SECTOR // block)
+        assert 0 < len(digests) <= 8 * -(-SECTOR // block)  # (the last sector is short)
         self.entries[n] = path
         self.given += 1
         return True
@@ -420,3 +422,43 @@ def test_sectors_evicted_from_memory_are_read_from_their_entries_by_the_mirror(
     assert mirror.entries == {} and mirror.sectors == {}
     reader.read(stored[1] * SECTOR + 100, 10)  # from the cache: given again
     assert stored[1] in mirror.entries
+
+
+def test_a_new_reader_gives_the_mirror_the_entries_the_node_cache_holds(
+    image: Image, make_fetcher: MakeFetcher, tmp_path
+) -> None:  # noqa: ANN001
+    index = image.index
+    stored = [n for n in range(index.sector_count) if not index.sectors[n].is_zero]
+    first = make_fetcher()
+    first.get(stored)  # the node cache holds every stored sector
+    first.close()
+    # another process: a cache of its own over the same directory, nothing checked yet
+    fetcher = make_fetcher(cache=SectorCache(tmp_path / "cache", 64 << 20))
+    reader = BlockReader(index, fetcher, memory_sectors=4, readahead_bytes=0)
+    mirror = _EntryMirror()
+    reader.mirror_memory(mirror)
+    stop = threading.Event()
+    stop.set()
+    assert reader.mirror_cached(stop) == 0 and mirror.entries == {}
+    given = reader.mirror_cached()
+    assert given == len(mirror.entries) == reader.mirrored_entries
+    assert sorted(mirror.entries) == stored
+    # the image's prefetch order first, then the image's
+    assert list(mirror.entries) == list(dict.fromkeys([*index.prefetch, *stored]))
+    for n, path in mirror.entries.items():
+        with open(path, "rb") as f:
+            assert f.read(64) == image.data[n * SECTOR : n * SECTOR + 64]
+    assert reader.mirror_cached() == 0  # given already
+
+
+def test_giving_cached_entries_stops_at_the_mirrors_bound(
+    image: Image, make_fetcher: MakeFetcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fetcher = make_fetcher()
+    stored = [n for n in range(image.index.sector_count) if not image.index.sectors[n].is_zero]
+    fetcher.get(stored)
+    monkeypatch.setattr(reader_module, "MIRRORED_ENTRIES", 3)
+    reader = BlockReader(image.index, fetcher, memory_sectors=0)
+    mirror = _EntryMirror()
+    reader.mirror_memory(mirror)
+    assert reader.mirror_cached() == 3 and len(mirror.entries) == 3
