@@ -43,7 +43,10 @@ read through the mount returns image bytes, so cold sequential is reported both 
 CPU: the cold sequential pass and the store reference also record the CPU seconds their
 processes used, per GB (``cold_seq_cpu``: of image; ``store_cpu``: of blob): the mount
 server, the registry, the reader (this process), and the whole machine (``machine``: every
-busy CPU; ``busy``: its share of all CPUs). ``cold_seq_cpu_bound_MBps`` is the cold
+busy CPU; ``busy``: its share of all CPUs). The warm random passes record theirs too, per
+GB read (``warm_rand_cpu``, ``warm_rand_fresh_cpu``; ``local_rand_cpu`` for local disk's):
+on a busy node it is the CPU, more than the rate of a short pass on a shared machine, that
+says what a read path costs. ``cold_seq_cpu_bound_MBps`` is the cold
 sequential throughput at which the pass's CPU per GB would keep every CPU busy, and
 ``cold_seq_cpu_per_GB_for_target`` the machine CPU per GB of image a pass may use at most to
 reach 70 % of the store on this machine's CPUs: where the first is below the target, a pass
@@ -103,6 +106,7 @@ MIB = 1 << 20
 FILE_SIZE = 64 * MIB
 RANDOM_READ = 128 << 10
 RANDOM_COUNT = 2000
+RANDOM_GB = RANDOM_COUNT * RANDOM_READ / 1e9  # what one random pass reads
 QUIET_SECONDS = 5.0  # more than the mount server's 2 s of quiet before it trims its heap
 LATENCY_COUNT = 500
 
@@ -402,7 +406,9 @@ def measure(
         drop_caches()
         out["warm_seq_MBps"] = seq_read(mnt)
         drop_caches()
+        meter = CpuMeter({"mount_server": server.pid}).start()
         out["warm_rand_MBps"] = rand_read(mnt)
+        out["warm_rand_cpu"] = meter.stop(RANDOM_GB)
         fetch = api.stats(mnt, cfg)["fetch"]
         out["warm_reads"] = fetch["reads"] - out["cold_fetch"]["reads"]  # type: ignore[index]
         out["warm_qd1_us"] = layer_latencies(mnt, cfg)
@@ -410,9 +416,11 @@ def measure(
         api.unmount(mnt, cfg)
     # warm random in a new server process: nothing of the cache verified yet
     try:
-        api.mount(ref, mnt, cfg, fork_server=False)
+        fresh = api.mount(ref, mnt, cfg, fork_server=False)
         drop_caches()
+        meter = CpuMeter({"mount_server": fresh.pid}).start()
         out["warm_rand_fresh_MBps"] = rand_read(mnt, seed=8)
+        out["warm_rand_fresh_cpu"] = meter.stop(RANDOM_GB)
     finally:
         api.unmount(mnt, cfg)
     if local_copy:
@@ -668,6 +676,7 @@ def main() -> int:
         "store_MBps": [], "local_seq_MBps": [], "local_rand_MBps": [], "local_rand_qd1_p50_us": []
     }  # fmt: skip
     store_cpu: list[dict[str, float]] = []
+    local_rand_cpu: list[dict[str, float]] = []
     pids = {"registry": registry.proc.pid}
     try:
         if args.link:
@@ -692,7 +701,9 @@ def main() -> int:
                 drop_caches()
                 base["local_seq_MBps"].append(seq_read(tree))
                 drop_caches()
+                meter = CpuMeter({}).start()
                 base["local_rand_MBps"].append(rand_read(tree))
+                local_rand_cpu.append(meter.stop(RANDOM_GB))
                 drop_caches()
                 base["local_rand_qd1_p50_us"].append(rand_latency(tree)["p50"])
             # Alternate the variants' order: what runs first after the references meets the
@@ -717,6 +728,8 @@ def main() -> int:
     results["per_round"] = {k: v for k, v in base.items() if v}  # the spread behind a median
     if store_cpu:
         results["store_cpu"] = _median_of(store_cpu)
+    if local_rand_cpu:
+        results["local_rand_cpu"] = _median_of(local_rand_cpu)
     results["rounds"] = args.rounds
     ratio = args.size / results["blob_bytes"]  # type: ignore[operator]
     for name, passes in runs.items():
@@ -746,6 +759,8 @@ def main() -> int:
         r["cold_fetch"] = passes[-1]["cold_fetch"]
         r["server_memory_MB"] = _median_of([p["server_memory_MB"] for p in passes])  # type: ignore[misc]
         r["cold_seq_stages"] = _median_stages([p["cold_seq_stages"] for p in passes])  # type: ignore[misc]
+        for key in ("warm_rand_cpu", "warm_rand_fresh_cpu"):
+            r[key] = _median_of([p[key] for p in passes])  # type: ignore[misc]
         # Everything but the store: the budget a node pays per GB read cold.
         r["cold_seq_cpu"]["all_but_store"] = cpu["machine"] - cpu.get("registry", 0.0)
         perf = _median_of([p["cold_seq_cpu_under_perf"] for p in passes])  # type: ignore[misc]
