@@ -80,6 +80,9 @@ STREAM_FORWARD_SHARE = 8
 # Cache entries a mirror of this reader's memory (``mirror_memory``) may read from at once
 # (their block digests: 2 KiB each for a 4 MiB sector).
 MIRRORED_ENTRIES = 2048
+# ``mirror_cached`` stops after this many sectors in a row that the node cache does not
+# hold: the image is cold, and a walk of its every sector would be spent for nothing.
+MIRROR_MISSES = 64
 
 
 def scratch_memory(size: int) -> memoryview:
@@ -328,14 +331,17 @@ class BlockReader:
         prefetch order first, up to ``MIRRORED_ENTRIES``: a new server for a warm image
         answers READs of them in the compiled loop from the first, not one first READ of
         each in the interpreter. Skips sectors in memory and those a stream reads ahead
-        (through the page cache). Stops when ``stop`` is set. Returns how many it gave."""
+        (through the page cache). Stops when ``stop`` is set, and after ``MIRROR_MISSES``
+        sectors in a row that the cache does not hold. Returns how many it gave."""
         if self._mirror is None:
             return 0
         index = self.index
-        given = 0
+        given = misses = 0
         for n in dict.fromkeys([*index.prefetch, *range(index.sector_count)]):
             if given >= MIRRORED_ENTRIES or (stop is not None and stop.is_set()):
                 break
+            if misses >= MIRROR_MISSES:
+                break  # a cold image
             if index.sectors[n].is_zero:
                 continue
             with self._lock:
@@ -347,6 +353,9 @@ class BlockReader:
                     continue
             if self._mirror_entry(n, check=True):
                 given += 1
+                misses = 0
+            else:
+                misses += 1
         return given
 
     def _mirror_entry(self, n: int, check: bool = False) -> bool:

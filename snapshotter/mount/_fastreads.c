@@ -544,7 +544,7 @@ static ssize_t read_checked(held *h, uint64_t size, uint64_t lo, uint64_t hi,
  * ``pieces``), waiting up to ``wait_ns`` while those missing are all being fetched. */
 static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pieces,
                         int disk_too, int64_t *waited_ns) {
-    struct timespec deadline = {0, 0}, began;
+    struct timespec deadline = {0, 0}, began = {0, 0};
     for (;;) {
         if (deadline.tv_sec != 0 || deadline.tv_nsec != 0) {
             /* How long this READ has waited so far: Python's deadline counts it. */

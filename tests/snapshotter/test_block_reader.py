@@ -462,3 +462,24 @@ def test_giving_cached_entries_stops_at_the_mirrors_bound(
     mirror = _EntryMirror()
     reader.mirror_memory(mirror)
     assert reader.mirror_cached() == 3 and len(mirror.entries) == 3
+
+
+def test_giving_cached_entries_of_a_cold_image_stops_soon(
+    image: Image, make_fetcher: MakeFetcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fetcher = make_fetcher()
+    monkeypatch.setattr(reader_module, "MIRROR_MISSES", 4)
+    looked: list[int] = []
+    real = fetcher.cached_entry
+
+    def cached_entry(n: int, check: bool = False) -> object:
+        looked.append(n)
+        return real(n, check)
+
+    monkeypatch.setattr(fetcher, "cached_entry", cached_entry)
+    reader = BlockReader(image.index, fetcher, memory_sectors=0)
+    reader.mirror_memory(_EntryMirror())
+    assert reader.mirror_cached() == 0
+    assert len(looked) == 4  # the cache holds none of them: not the whole image
+    stored = [n for n in range(image.index.sector_count) if not image.index.sectors[n].is_zero]
+    assert len(stored) > 4
