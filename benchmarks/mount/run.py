@@ -43,8 +43,9 @@ read through the mount returns image bytes, so cold sequential is reported both 
 CPU: the cold sequential pass and the store reference also record the CPU seconds their
 processes used, per GB (``cold_seq_cpu``: of image; ``store_cpu``: of blob): the mount
 server, the registry, the reader (this process), and the whole machine (``machine``: every
-busy CPU; ``busy``: its share of all CPUs). The warm random passes record theirs too, per
-GB read (``warm_rand_cpu``, ``warm_rand_fresh_cpu``; ``local_rand_cpu`` for local disk's):
+busy CPU; ``busy``: its share of all CPUs). The warm passes record theirs too, per GB
+read (``warm_seq_cpu``, ``warm_rand_cpu``, ``warm_rand_fresh_cpu``; ``local_rand_cpu`` for
+local disk's):
 on a busy node it is the CPU, more than the rate of a short pass on a shared machine, that
 says what a read path costs. ``cold_seq_cpu_bound_MBps`` is the cold
 sequential throughput at which the pass's CPU per GB would keep every CPU busy, and
@@ -404,7 +405,9 @@ def measure(
         out["cold_fetch"]["readahead_sectors"] = stats.get("readahead_sectors")  # type: ignore[index]
         out["server_memory_MB"] = server_memory(server.pid)
         drop_caches()
+        meter = CpuMeter({"mount_server": server.pid}).start()
         out["warm_seq_MBps"] = seq_read(mnt)
+        out["warm_seq_cpu"] = meter.stop(sum(p.stat().st_size for p in files_of(mnt)) / 1e9)
         drop_caches()
         meter = CpuMeter({"mount_server": server.pid}).start()
         out["warm_rand_MBps"] = rand_read(mnt)
@@ -759,7 +762,7 @@ def main() -> int:
         r["cold_fetch"] = passes[-1]["cold_fetch"]
         r["server_memory_MB"] = _median_of([p["server_memory_MB"] for p in passes])  # type: ignore[misc]
         r["cold_seq_stages"] = _median_stages([p["cold_seq_stages"] for p in passes])  # type: ignore[misc]
-        for key in ("warm_rand_cpu", "warm_rand_fresh_cpu"):
+        for key in ("warm_seq_cpu", "warm_rand_cpu", "warm_rand_fresh_cpu"):
             r[key] = _median_of([p[key] for p in passes])  # type: ignore[misc]
         # Everything but the store: the budget a node pays per GB read cold.
         r["cold_seq_cpu"]["all_but_store"] = cpu["machine"] - cpu.get("registry", 0.0)

@@ -111,9 +111,12 @@ class MemoryMirror(Protocol):
 
     def clear(self) -> None: ...
 
-    def cached(self, n: int, path: str, digests: bytes, block: int, /) -> bool:
-        """Sector ``n`` may be read from its cache entry at ``path``, checked against its
-        block ``digests``, where nothing is held for it; whether it was taken."""
+    def cached(
+        self, n: int, path: str, digests: bytes, block: int, buffered: bool = False, /
+    ) -> bool:
+        """Sector ``n`` may be read from its cache entry at ``path`` (with direct I/O, or
+        through the page cache if ``buffered``), checked against its block ``digests``,
+        where nothing is held for it; whether it was taken."""
         ...
 
     def uncache(self, n: int, /) -> None: ...
@@ -158,7 +161,8 @@ class BlockReader:
         # A copy of ``_memory`` kept elsewhere (``mirror_memory``): the FUSE file's table of
         # the buffers its compiled loop answers READs from.
         self._mirror: MemoryMirror | None = None
-        self._mirrored_entries: OrderedDict[int, None] = OrderedDict()  # given to the mirror
+        # Entries given to the mirror, and whether it reads each through the page cache
+        self._mirrored_entries: OrderedDict[int, bool] = OrderedDict()
         if memory_sectors:
             # Every fetched sector, read-ahead included, is kept: the cache writes entries
             # with direct I/O, so the page cache does not have them.
@@ -245,8 +249,8 @@ class BlockReader:
             parts[n], took = got
             room = room[took:]
             # A stream reads an entry through the page cache that its read-ahead fills
-            # (``_follow`` takes the entry from the mirror); once it has read to the
-            # entry's end, the mirror may read it again, for the random reads after it.
+            # (``_follow`` has the mirror read it that way too); once it has read to the
+            # entry's end, the mirror reads it with direct I/O, for the random reads after.
             if self._mirror is not None and (not sequential or hi == index.sector_span(n)[1]):
                 self._mirror_entry(n)
         if wanted:  # ... or since its cache lookup: then the fetcher would read it back
@@ -358,16 +362,19 @@ class BlockReader:
                 misses += 1
         return given
 
-    def _mirror_entry(self, n: int, check: bool = False) -> bool:
+    def _mirror_entry(self, n: int, check: bool = False, buffered: bool = False) -> bool:
         """Give the mirror sector ``n``'s cache entry to answer reads from (past the page
         cache, as ``read_view`` reads random ones), where this process knows the entry's
         block digests: it wrote the entry (``_mirror_evicted``), or a read here found it
         whole and checked its trailer (a random read, or a stream's that reached the
-        entry's end), or ``check`` has it check the trailer now (``mirror_cached``). At
+        entry's end), or ``check`` has it check the trailer now (``mirror_cached``).
+        ``buffered``: the mirror reads it through the page cache (a stream's read-ahead
+        fills that), not with direct I/O; an entry given the other way is given anew. At
         most ``MIRRORED_ENTRIES`` at once, the least recently given dropped first. Returns
         whether it gave it now."""
         with self._lock:
-            if n in self._mirrored_entries:  # given already (a small read, which stays here)
+            given = self._mirrored_entries.get(n)
+            if given is buffered:  # given already (a small read, which stays here)
                 self._mirrored_entries.move_to_end(n)
                 return False
         handle = self.fetcher.cached_entry(n, check)
@@ -375,10 +382,14 @@ class BlockReader:
             return False
         path, digests, block = handle
         assert self._mirror is not None
-        if not self._mirror.cached(n, path, digests, block):
+        if given is not None:  # read the other way until now
+            with self._lock:
+                self._mirrored_entries.pop(n, None)
+            self._mirror.uncache(n)
+        if not self._mirror.cached(n, path, digests, block, buffered):
             return False
         with self._lock:
-            self._mirrored_entries[n] = None
+            self._mirrored_entries[n] = buffered
             self._mirrored_entries.move_to_end(n)
             old = (
                 self._mirrored_entries.popitem(last=False)[0]
@@ -408,6 +419,7 @@ class BlockReader:
         index = self.index
         total = hits = touched = 0
         from_disk: list[int] = []  # pieces read from the node cache's entries
+        streamed: list[int] = []  # ... through the page cache, to the entry's end
         with self._lock:
             for offset, length in reads:
                 end = offset + length
@@ -419,6 +431,8 @@ class BlockReader:
                     data = self._memory.get(n)
                     if data is None:
                         from_disk.append(n)  # (or memory it was evicted from since)
+                        if self._mirrored_entries.get(n) and end >= sum(index.sector_span(n)):
+                            streamed.append(n)
                         continue
                     hits += 1
                     start, size = index.sector_span(n)
@@ -433,6 +447,8 @@ class BlockReader:
             metrics.cache_hits.inc(len(from_disk))
             for n in dict.fromkeys(from_disk):
                 self.fetcher.cache.note_read(index.sectors[n].checksum)
+        for n in streamed:  # read with direct I/O again, for the random reads after a stream
+            self._mirror_entry(n)
         if touched:
             metrics.touched_stored_bytes.inc(touched)
         if self.readahead_sectors:
@@ -527,13 +543,9 @@ class BlockReader:
                 self.fetcher.cancel_readahead(range(old.ahead_from, old.ahead_to))
         if ahead is not None and ahead[1] > ahead[0]:
             self.fetcher.readahead(range(*ahead))
-            if self._mirrored_entries:
+            if self._mirror is not None:
                 # A stream reads these through the page cache, which read-ahead fills
-                # (``will_need``): not past it from the mirror.
-                with self._lock:
-                    gone = [n for n in range(*ahead) if n in self._mirrored_entries]
-                    for n in gone:
-                        del self._mirrored_entries[n]
-                for n in gone:
-                    self._mirror.uncache(n)  # type: ignore[union-attr]
+                # (``will_need``): so does the mirror, for the entries it may read.
+                for n in range(*ahead):
+                    self._mirror_entry(n, buffered=True)
         return sequential

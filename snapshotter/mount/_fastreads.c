@@ -28,6 +28,8 @@
  * deals with a damaged entry and fetches again) and takes the entry out of the table. A
  * READ no longer than ``disk_min_read`` of an entry goes to Python too, whose read-around
  * windows keep the 128 KiB around a small read in memory for the small reads that follow.
+ * An entry a sequential stream is about to read is given ``buffered``: read through the
+ * page cache, which the stream's read-ahead fills, and checked the same way.
  *
  * Only verified bytes are answered: the reader puts in the table what it keeps in memory,
  * sectors the fetcher decoded and checked (or zeros), and entries' blocks are checked as
@@ -76,6 +78,7 @@ typedef struct held {
     char *path;        /* NULL: in memory */
     uint32_t block;    /* bytes per digest */
     uint64_t *digests; /* xxh3-64 of each block, as numbers */
+    int buffered;      /* read through the page cache, not with direct I/O */
     int pins;          /* threads writing from it now */
     int dead;          /* out of the table: release once unpinned */
     struct held *next; /* in the graveyard */
@@ -287,19 +290,22 @@ static PyObject *Memory_put(Memory *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(cached_doc,
-             "cached(n, path, digests, block): sector n is in the node cache entry at "
-             "``path``, its bytes from offset 0, with the xxh3-64 ``digests`` of each "
-             "``block`` (canonical, 8 bytes each, as its trailer has them): a READ of it "
-             "opens the entry, reads the blocks it covers with direct I/O and checks them. "
-             "Where the table holds the sector already (memory), that stays. Returns "
-             "whether it was taken.");
+             "cached(n, path, digests, block, buffered=False): sector n is in the node "
+             "cache entry at ``path``, its bytes from offset 0, with the xxh3-64 ``digests`` "
+             "of each ``block`` (canonical, 8 bytes each, as its trailer has them): a READ "
+             "of it opens the entry, reads the blocks it covers with direct I/O (through "
+             "the page cache with ``buffered``: a stream's, whose read-ahead fills it) and "
+             "checks them. Where the table holds the sector already (memory or an entry), "
+             "that stays. Returns whether it was taken.");
 
 static PyObject *Memory_cached(Memory *self, PyObject *args) {
     unsigned long long n;
     const char *path;
     Py_buffer digests;
     unsigned int block;
-    if (check_ready(self) < 0 || !PyArg_ParseTuple(args, "Ksy*I", &n, &path, &digests, &block)) {
+    int buffered = 0;
+    if (check_ready(self) < 0 ||
+        !PyArg_ParseTuple(args, "Ksy*I|p", &n, &path, &digests, &block, &buffered)) {
         return NULL;
     }
     if (check_sector(self, n) < 0) {
@@ -335,6 +341,7 @@ static PyObject *Memory_cached(Memory *self, PyObject *args) {
     h->path = copy;
     h->block = block;
     h->digests = numbers;
+    h->buffered = buffered;
     int taken = 0;
     pthread_mutex_lock(&self->mu);
     if (self->slots[n] == NULL) {
@@ -514,7 +521,7 @@ static ssize_t read_checked(held *h, uint64_t size, uint64_t lo, uint64_t hi,
         to = size;
     }
     size_t len = (size_t)((to - from + 4095) / 4096 * 4096);
-    int fd = open(h->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+    int fd = open(h->path, O_RDONLY | O_CLOEXEC | (h->buffered ? 0 : O_DIRECT));
     if (fd < 0) {
         return -1; /* evicted, or no direct I/O here: Python reads it its own way */
     }

@@ -291,7 +291,7 @@ class _Mirror:
     def clear(self) -> None:
         self.sectors.clear()
 
-    def cached(self, n: int, path: str, digests: bytes, block: int) -> bool:
+    def cached(self, n: int, path: str, digests: bytes, block: int, buffered: bool = False) -> bool:
         return False  # sectors in memory only
 
     def uncache(self, n: int) -> None:
@@ -348,27 +348,34 @@ class _EntryMirror(_Mirror):
     def __init__(self) -> None:
         super().__init__()
         self.entries: dict[int, str] = {}
+        self.buffered: set[int] = set()  # entries read through the page cache
         self.given = 0
 
-    def cached(self, n: int, path: str, digests: bytes, block: int) -> bool:
+    def cached(self, n: int, path: str, digests: bytes, block: int, buffered: bool = False) -> bool:
         assert 0 < len(digests) <= 8 * -(-SECTOR // block)  # (the last sector is short)
+        if n in self.entries:
+            return False  # the table keeps what it holds
         self.entries[n] = path
+        if buffered:
+            self.buffered.add(n)
         self.given += 1
         return True
 
     def uncache(self, n: int) -> None:
         self.entries.pop(n, None)
+        self.buffered.discard(n)
 
     def drop(self, n: int) -> None:
         self.sectors.pop(n, None)
-        self.entries.pop(n, None)
+        self.uncache(n)
 
     def clear(self) -> None:
         super().clear()
         self.entries.clear()
+        self.buffered.clear()
 
 
-def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back(
+def test_random_reads_give_the_mirror_their_entries_and_a_stream_reads_them_buffered(
     image: Image, make_fetcher: MakeFetcher
 ) -> None:
     fetcher = make_fetcher()
@@ -388,13 +395,16 @@ def test_random_reads_give_the_mirror_their_entries_and_a_stream_takes_them_back
     assert mirror.given == len(stored)
     for offset in range(0, 3 * SECTOR, SECTOR // 4):  # a stream, which reads ahead of it
         reader.read(offset, SECTOR // 4)
-    assert not any(n in mirror.entries for n in range(3, 7)), mirror.entries
-    # ... through the page cache; the entries it has read to their end are given back
+    # ... through the page cache: the mirror reads those entries that way too
+    ahead = [n for n in range(3, 7) if n in stored]
+    assert ahead and all(n in mirror.buffered for n in ahead), (mirror.entries, mirror.buffered)
+    # the entries it has read to their end are read with direct I/O again
     for offset in range(3 * SECTOR, 5 * SECTOR + SECTOR // 2, SECTOR // 4):
         assert reader.read(offset, SECTOR // 4) == image.data[offset : offset + SECTOR // 4]
     behind = [n for n in (3, 4) if n in stored]
     assert behind and all(n in mirror.entries for n in behind), mirror.entries
-    assert 5 not in mirror.entries  # read in part
+    assert not any(n in mirror.buffered for n in behind), mirror.buffered
+    assert 5 in mirror.buffered or 5 not in stored  # read in part
 
 
 def test_sectors_evicted_from_memory_are_read_from_their_entries_by_the_mirror(
@@ -483,3 +493,28 @@ def test_giving_cached_entries_of_a_cold_image_stops_soon(
     assert len(looked) == 4  # the cache holds none of them: not the whole image
     stored = [n for n in range(image.index.sector_count) if not image.index.sectors[n].is_zero]
     assert len(stored) > 4
+
+
+def test_a_stream_answered_by_the_mirror_has_it_read_entries_buffered_then_direct(
+    image: Image, make_fetcher: MakeFetcher
+) -> None:
+    fetcher = make_fetcher()
+    stored = [n for n in range(3, 9) if not image.index.sectors[n].is_zero]
+    fetcher.get(stored)  # in the node cache
+    reader = BlockReader(image.index, fetcher, memory_sectors=8, readahead_bytes=4 * SECTOR,
+                         stream_slack=SECTOR // 2)  # fmt: skip
+    mirror = _EntryMirror()
+    reader.mirror_memory(mirror)
+    reader.mirror_cached()  # given, with direct I/O
+    assert all(n in mirror.entries for n in stored) and not mirror.buffered
+    chunk = SECTOR // 4
+    # a stream's reads, answered by the mirror: its read-ahead window is read buffered
+    reader.account_served([(o, chunk) for o in range(0, 3 * SECTOR, chunk)])
+    reader.account_served([(o, chunk) for o in range(3 * SECTOR, 4 * SECTOR - chunk, chunk)])
+    ahead = [n for n in stored if n < 7]
+    assert ahead and all(n in mirror.buffered for n in ahead), mirror.buffered
+    # the read that reaches sector 3's end: read with direct I/O again
+    reader.account_served([(4 * SECTOR - chunk, chunk)])
+    if 3 in stored:
+        assert 3 in mirror.entries and 3 not in mirror.buffered
+    assert all(n in mirror.buffered for n in ahead if n != 3)

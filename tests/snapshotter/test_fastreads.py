@@ -11,6 +11,7 @@ import random
 import shutil
 import socket
 import struct
+import subprocess
 import tempfile
 import threading
 import time
@@ -346,6 +347,44 @@ def test_reads_of_cache_entries_are_read_checked_and_answered(
     assert loop.wait()[0] == _fastreads.DRAIN
     assert memory.disk_reads == 3 and memory.disk_failures == 0
     assert [r for r, _ in memory.drain()] == [r for r, _ in reads]
+
+
+def _resident(path: str) -> int:
+    """Bytes of the file in the page cache."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", path],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout.strip())
+
+
+def test_buffered_entries_are_read_through_the_page_cache_and_checked(
+    memory: object, loop: Loop, entries: Path
+) -> None:
+    require(shutil.which("fincore") is not None, "fincore (util-linux) is not installed")
+    paths = {}
+    for n in (0, 1, 2):  # 1 and 2 read through the page cache, 0 with direct I/O
+        path, digests = entry_file(entries / f"e{n}", n)
+        paths[n] = path
+        assert memory.cached(n, path, digests, BLOCK, n != 0) is True
+    with open(paths[2], "r+b") as f:  # a damaged block
+        f.seek(BLOCK + 5)
+        f.write(b"\xff")
+    for path in paths.values():  # none of them in the page cache
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        assert _resident(path) == 0
+    loop.serve_once()
+    for unique, n in ((7, 1), (8, 0)):
+        offset, size = n * SECTOR + BLOCK + 7, BLOCK
+        loop.kernel.send(request(fusewire.READ, unique, offset, size))
+        assert loop.answer() == (0, unique, IMAGE_BYTES[offset : offset + size])
+    assert _resident(paths[1]) > 0 and _resident(paths[0]) == 0
+    assert memory.disk_reads == 2 and memory.disk_failures == 0
+    req = request(fusewire.READ, 9, 2 * SECTOR + BLOCK, BLOCK)  # checked: to the caller
+    loop.kernel.send(req)
+    assert loop.wait() == (_fastreads.REQUEST, len(req), req)
+    assert memory.disk_failures == 1
 
 
 def test_a_damaged_entry_goes_to_the_caller_and_is_read_here_no_more(
