@@ -66,6 +66,7 @@ PRESETS: dict[str, Preset] = {
         # bandwidth only: where the mount benchmark's cold reads stop keeping up with the link
         Preset("2g", 2000.0, 0.0),
         Preset("4g", 4000.0, 0.0),
+        Preset("10g", 10000.0, 0.0),  # a GPU node's slower NICs (whether tbf keeps up: see it)
     )
 }
 
