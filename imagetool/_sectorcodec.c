@@ -21,6 +21,8 @@
 #include <zstd.h>
 #include <zstd_errors.h>
 
+#include <pthread.h>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xxh_x86dispatch.h>
 #else
@@ -121,6 +123,34 @@ PyDoc_STRVAR(decode_into_doc,
 "``block`` > 0, the xxh3-64 of each ``block``-byte block of them (8 bytes each). "
 "ValueError: not zstd data, or corrupt.");
 
+/* Decompression contexts kept for reuse: a new one costs its allocation and setup on every
+ * sector, and sectors are decoded on threads that come and go (one per store read). */
+#define KEPT_DCTX 8
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+static ZSTD_DCtx *kept[KEPT_DCTX];
+static int nkept;
+
+static ZSTD_DCtx *take_dctx(void) {
+    ZSTD_DCtx *d = NULL;
+    pthread_mutex_lock(&kept_mu);
+    if (nkept > 0) d = kept[--nkept];
+    pthread_mutex_unlock(&kept_mu);
+    if (d == NULL) return ZSTD_createDCtx();
+    ZSTD_DCtx_reset(d, ZSTD_reset_session_and_parameters);
+    return d;
+}
+
+static void give_dctx(ZSTD_DCtx *d) {
+    if (d == NULL) return;
+    pthread_mutex_lock(&kept_mu);
+    if (nkept < KEPT_DCTX) {
+        kept[nkept++] = d;
+        d = NULL;
+    }
+    pthread_mutex_unlock(&kept_mu);
+    ZSTD_freeDCtx(d);
+}
+
 static PyObject *decode_into(PyObject *self, PyObject *args) {
     Py_buffer in, out;
     Py_ssize_t block;
@@ -133,7 +163,7 @@ static PyObject *decode_into(PyObject *self, PyObject *args) {
     if (block_arg(block) < 0) goto done;
 
     Py_BEGIN_ALLOW_THREADS
-    dctx = ZSTD_createDCtx();
+    dctx = take_dctx();
     if (dctx == NULL || hasher_init(&h, out.buf, (size_t)out.len, (size_t)block, 1) < 0) {
         nomem = 1;
     } else {
@@ -175,7 +205,7 @@ static PyObject *decode_into(PyObject *self, PyObject *args) {
         result = hasher_result(&h, (Py_ssize_t)produced);
     }
 done:
-    ZSTD_freeDCtx(dctx);
+    give_dctx(dctx);
     hasher_free(&h);
     PyBuffer_Release(&in);
     PyBuffer_Release(&out);
