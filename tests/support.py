@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -29,6 +29,27 @@ import pytest
 from benchmarks.coldstart.netns import stop_process
 
 REQUIRE_ALL = os.environ.get("LAZYBLOCK_REQUIRE_ALL") == "1"
+
+
+def in_threads(work: Callable[[int], object], count: int, timeout: float = 60.0) -> None:
+    """Run ``work(i)`` for each i in ``range(count)``, each on a thread of its own, all at
+    once; the first failure is raised here (in a thread it would only be printed)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
+    if errors:
+        raise errors[0]
 
 
 def require(condition: bool, reason: str) -> None:

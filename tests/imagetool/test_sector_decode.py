@@ -4,11 +4,11 @@ bytes checks."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import xxhash
 import zstandard
+from support import in_threads
 
 from imagetool.errors import ChecksumError
 from imagetool.format import (
@@ -98,25 +98,16 @@ def test_decodes_on_many_threads_at_once_each_get_their_own_bytes(codec: str) ->
     rng = random.Random(11)
     sectors = [rng.randbytes(1 << 16) + bytes([i]) * (1 << 16) for i in range(8)]
     stored = [zstandard.ZstdCompressor(level=3).compress(s) for s in sectors]
-    failures: list[BaseException] = []
 
     def work(i: int) -> None:
-        try:
-            for k in range(40):
-                out = memoryview(bytearray(len(sectors[i])))
-                if k % 5 == 4:  # a corrupt one now and then
-                    with pytest.raises(ChecksumError):
-                        decode_stored_into(stored[i][:-9], sector_checksum(sectors[i]), out)
-                    continue
-                blocks = decode_stored_into(stored[i], sector_checksum(sectors[i]), out, 16384)
-                assert out == sectors[i]
-                assert blocks == checksum_and_blocks(sectors[i], 16384)[1]
-        except BaseException as e:  # reported below, in the test's thread
-            failures.append(e)
+        for k in range(40):
+            out = memoryview(bytearray(len(sectors[i])))
+            if k % 5 == 4:  # a corrupt one now and then
+                with pytest.raises(ChecksumError):
+                    decode_stored_into(stored[i][:-9], sector_checksum(sectors[i]), out)
+                continue
+            blocks = decode_stored_into(stored[i], sector_checksum(sectors[i]), out, 16384)
+            assert out == sectors[i]
+            assert blocks == checksum_and_blocks(sectors[i], 16384)[1]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not failures, failures[0]
+    in_threads(work, 8)

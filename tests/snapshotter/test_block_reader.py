@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 from datapath_support import SECTOR, Image, wait_until
+from support import in_threads
 
 from snapshotter.cache.sectors import SectorCache
 from snapshotter.config import FetchConfig
@@ -89,24 +90,15 @@ def test_concurrent_readers_get_correct_bytes(
 ) -> None:
     reader = BlockReader(image.index, make_fetcher(), memory_sectors=3)
     store.before_read = lambda *_: time.sleep(0.005)
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(30):
-                offset = rng.randrange(image.index.image_size)
-                length = rng.randrange(1, 2 * SECTOR)
-                assert reader.read(offset, length) == image.data[offset : offset + length]
-        except BaseException as e:
-            errors.append(e)
+        for _ in range(30):
+            offset = rng.randrange(image.index.image_size)
+            length = rng.randrange(1, 2 * SECTOR)
+            assert reader.read(offset, length) == image.data[offset : offset + length]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors
+    in_threads(work, 8, timeout=30)
     counts = store.fetch_counts(image)
     assert all(c == 1 for c in counts.values()), counts
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 from datapath_support import FAST, FaultyStore, Image, entry_path, wait_until
+from support import in_threads
 
 from imagetool.format import Index, blob_range
 from imagetool.stores.dir import DirStore
@@ -173,22 +174,13 @@ def test_sixteen_threads_on_overlapping_ranges_fetch_each_sector_once(
     start = threading.Barrier(16)
     store.before_read = lambda *_: time.sleep(0.02)  # widen the race window
     results: dict[int, dict[int, bytes]] = {}
-    errors: list[BaseException] = []
 
     def reader(i: int) -> None:
-        try:
-            start.wait()
-            lo = (i * 3) % 30
-            results[i] = fetcher.get(range(lo, lo + 12))
-        except BaseException as e:
-            errors.append(e)
+        start.wait()
+        lo = (i * 3) % 30
+        results[i] = fetcher.get(range(lo, lo + 12))
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors
+    in_threads(reader, 16, timeout=30)
     for i, got in results.items():
         lo = (i * 3) % 30
         assert got == {n: image.sector(n) for n in range(lo, lo + 12)}

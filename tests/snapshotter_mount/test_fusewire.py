@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from support import require_fuse
+from support import in_threads, require_fuse
 
 from snapshotter.mount import kernel
 from snapshotter.mount.fusewire import MAX_READ, FuseServer, ReadError
@@ -117,22 +117,13 @@ def test_a_failed_read_is_an_error_for_that_range_only(served: tuple[Path, _Byte
 
 def test_buffered_reads_from_many_threads(served: tuple[Path, _Bytes]) -> None:
     directory, source = served
-    errors: list[BaseException] = []
 
     def read(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            with open(directory / "image", "rb", buffering=0) as f:
-                for _ in range(40):
-                    offset = rng.randrange(0, 4 * MAX_READ - 70_000)
-                    f.seek(offset)
-                    assert f.read(70_000) == source.data[offset : offset + 70_000]
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        with open(directory / "image", "rb", buffering=0) as f:
+            for _ in range(40):
+                offset = rng.randrange(0, 4 * MAX_READ - 70_000)
+                f.seek(offset)
+                assert f.read(70_000) == source.data[offset : offset + 70_000]
 
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors[0]
+    in_threads(read, 8)
