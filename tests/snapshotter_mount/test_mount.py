@@ -114,12 +114,14 @@ def test_random_reads_of_the_cache_are_checked_and_right_in_compiled_code(
     with open(fuse_file, "rb") as f:
         f.read()  # every sector in the node cache
     size = len(expected)
-    spots = [(i * 1_000_003) % (size - 65_536) // 4096 * 4096 for i in range(32)]
-    # a read that touches a zero sector goes to Python
-    stored_only = sum(
-        all(not index.sectors[n].is_zero for n in index.sectors_for_range(o, 65_536)) for o in spots
-    )
-    assert stored_only >= len(spots) // 2
+    # Reads of stored sectors only: one that touches a zero sector goes to Python, or, once
+    # that sector is in memory, to the loop from memory and the entry at once.
+    spots = [
+        o
+        for o in ((i * 1_000_003) % (size - 65_536) // 4096 * 4096 for i in range(64))
+        if not any(index.sectors[n].is_zero for n in index.sectors_for_range(o, 65_536))
+    ]
+    assert len(spots) >= 24
     buf = mmap.mmap(-1, 65_536)
 
     def read_spots() -> None:
@@ -134,7 +136,7 @@ def test_random_reads_of_the_cache_are_checked_and_right_in_compiled_code(
     for _ in range(2):
         read_spots()
     stats = api.stats(mnt, cfg)["reads"]
-    assert stats["compiled_from_cache"] >= stored_only, stats
+    assert stats["compiled_from_cache"] >= len(spots), stats
     api.unmount(mnt, cfg)
 
     api.mount(umoci_dir_ref, mnt, cfg)
@@ -146,7 +148,7 @@ def test_random_reads_of_the_cache_are_checked_and_right_in_compiled_code(
         time.sleep(0.05)
     read_spots()
     stats = api.stats(mnt, cfg)["reads"]
-    assert stats["compiled_from_cache"] == stored_only, stats
+    assert stats["compiled_from_cache"] == len(spots), stats
     api.unmount(mnt, cfg)
 
 
