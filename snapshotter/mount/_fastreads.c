@@ -119,6 +119,18 @@ static held *retire(held *old) {
     return old->pins == 0 ? old : NULL;
 }
 
+/* Mutex held: this thread is done with ``pieces``; those that left the table meanwhile
+ * and are now unpinned go to the graveyard, to be released with the interpreter's lock. */
+static void unpin(Memory *self, held **pieces, uint64_t count) {
+    for (uint64_t i = 0; i < count; i++) {
+        held *h = pieces[i];
+        if (--h->pins == 0 && h->dead) {
+            h->next = self->graveyard;
+            self->graveyard = h;
+        }
+    }
+}
+
 /* Free a sector's hold: its buffer (the interpreter's lock is held), or its entry's path
  * and digests. */
 static void release_now(held *h) {
@@ -729,13 +741,7 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
                     bad->dead = 1;
                 }
             }
-            for (uint64_t i = 0; i < count; i++) {
-                held *h = pieces[i];
-                if (--h->pins == 0 && h->dead) {
-                    h->next = self->graveyard;
-                    self->graveyard = h;
-                }
-            }
+            unpin(self, pieces, count);
         }
         pthread_mutex_unlock(&self->mu);
         if (!ok) {
@@ -746,13 +752,7 @@ static int serve_loop(Memory *self, int fd, unsigned char *buf, size_t size, ssi
         int werr = wrote < 0 ? errno : 0;
 
         pthread_mutex_lock(&self->mu);
-        for (uint64_t i = 0; i < count; i++) {
-            held *h = pieces[i];
-            if (--h->pins == 0 && h->dead) {
-                h->next = self->graveyard;
-                self->graveyard = h;
-            }
-        }
+        unpin(self, pieces, count);
         pthread_mutex_unlock(&self->mu);
         __atomic_sub_fetch(&self->in_flight, 1, __ATOMIC_SEQ_CST);
 
