@@ -20,7 +20,8 @@
  *
  * A warm mount reads from the node cache instead. Once the reader knows a sector's cache
  * entry's block digests (it evicted the sector from memory after fetching and writing it,
- * or a READ answered in Python found the entry whole and checked its trailer), it gives
+ * a READ answered in Python found the entry whole and checked its trailer, or a new
+ * server checked the trailers of the entries the node cache held when it mounted), it gives
  * the table the entry's path and digests (``cached``): a READ of it is then answered here
  * too, the entry opened, the blocks that cover the READ read with direct I/O into this thread's
  * scratch and each checked against its digest (xxh3-64) before anything is written. A
