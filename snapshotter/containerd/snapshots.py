@@ -35,6 +35,8 @@ import shutil
 import sqlite3
 import threading
 import time
+import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -44,6 +46,9 @@ from typing import Protocol
 from snapshotter.errors import SnapshotterError
 
 log = logging.getLogger(__name__)
+
+# What an orphan snapshot directory is renamed to before it is deleted (not an id).
+_DOOMED = ".removing-"
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -178,6 +183,8 @@ class SnapshotStore:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         self._lock = threading.RLock()
+        # Mount points of remote commits under way: mounted before their row is written.
+        self._mounting: Counter[str] = Counter()
         self._db = sqlite3.connect(
             self.root / "metadata.db", check_same_thread=False, isolation_level=None
         )
@@ -420,18 +427,38 @@ class SnapshotStore:
 
     def cleanup(self) -> None:
         """Remove directories and mounts that no snapshot names (left by a crash or a failed
-        unmount)."""
+        unmount).
+
+        What is an orphan is decided under the lock, with the directories listed there: a
+        Prepare or a remote commit running beside it makes its directory, or mounts its image,
+        before its row is committed, and none of that is an orphan. An orphan directory is
+        renamed out of the id space under the lock and deleted outside it."""
         with self._lock:
             rows = self._db.execute("SELECT id, remote FROM snapshots").fetchall()
-        ids = {str(r[0]) for r in rows}
-        mounts = {RemoteInfo.from_json(r[1]).mountpoint for r in rows if r[1]}
-        for d in self.snapshots_dir.iterdir():
-            if d.name not in ids:
-                log.info("cleanup: removing orphan snapshot directory %s", d)
-                shutil.rmtree(d, ignore_errors=True)
-        for m in self.mounts_dir.iterdir():
-            if str(m) in mounts:
-                continue
+            ids = {str(r[0]) for r in rows}
+            keep = {RemoteInfo.from_json(r[1]).mountpoint for r in rows if r[1]}
+            keep |= set(self._mounting)
+            doomed = []
+            for d in self.snapshots_dir.iterdir():
+                if d.name in ids:
+                    continue
+                if not d.name.startswith(_DOOMED):
+                    log.info("cleanup: removing orphan snapshot directory %s", d)
+                    target = d.with_name(f"{_DOOMED}{d.name}-{uuid.uuid4().hex[:8]}")
+                    try:
+                        d.rename(target)
+                    except OSError as e:
+                        log.warning("cleanup: cannot move %s aside: %s", d, e)
+                        continue
+                    d = target
+                doomed.append(d)
+            orphan_mounts = [m for m in self.mounts_dir.iterdir() if str(m) not in keep]
+        for d in doomed:
+            shutil.rmtree(d, ignore_errors=True)
+        for m in orphan_mounts:
+            with self._lock:
+                if str(m) in self._mounting:  # a remote commit began since the listing
+                    continue
             log.info("cleanup: releasing orphan mount point %s", m)
             if self.mounter is not None and self.mounter.is_mounted(m):
                 try:
@@ -466,6 +493,23 @@ class SnapshotStore:
                 prow = self._get(self._db, parent)
                 if prow[3] != Kind.COMMITTED:
                     raise SnapshotArgumentError(f"parent {parent!r} is not a committed snapshot")
+            if remote.mountpoint:
+                self._mounting[remote.mountpoint] += 1
+        try:
+            self._commit_remote(name, parent, labels, remote, mount)
+        finally:
+            if remote.mountpoint:
+                with self._lock:
+                    self._mounting -= Counter({remote.mountpoint: 1})  # drops it at zero
+
+    def _commit_remote(
+        self,
+        name: str,
+        parent: str,
+        labels: dict[str, str],
+        remote: RemoteInfo,
+        mount: Callable[[], None] | None,
+    ) -> None:
         if mount is not None:
             mount()
         now = _now_ns()

@@ -226,5 +226,50 @@ def test_cleanup_releases_orphans(store: SnapshotStore) -> None:
     assert store.stat("kept").kind == Kind.ACTIVE
 
 
+def test_cleanup_beside_prepares_leaves_their_directories(store: SnapshotStore) -> None:
+    """containerd may call Cleanup while a Prepare runs (CI saw it remove a Prepare's new
+    directory, and the container's overlay mount failed): every prepared snapshot keeps its
+    directories, and an orphan made during the run still goes."""
+    stop = threading.Event()
+
+    def clean() -> None:
+        while not stop.is_set():
+            store.cleanup()
+
+    cleaner = threading.Thread(target=clean)
+    cleaner.start()
+    try:
+        for i in range(300):
+            (m,) = store.prepare(f"active {i}")
+            own = Path(m.source)
+            assert own.is_dir(), f"prepare {i}: its directory was removed"
+            store.remove(f"active {i}")
+        orphan = store.snapshots_dir / "99999"
+        (orphan / "fs").mkdir(parents=True)
+    finally:
+        stop.set()
+        cleaner.join()
+    store.cleanup()
+    assert sorted(p.name for p in store.snapshots_dir.iterdir()) == []
+
+
+def test_cleanup_during_a_remote_commit_keeps_its_mount(store: SnapshotStore) -> None:
+    """A remote commit mounts its image before it writes its row: a Cleanup in between must
+    not take that mount for an orphan."""
+    mounter: FakeMounter = store.mounter  # type: ignore[assignment]
+    mp = store.mountpoint_for("sha256:r1")
+
+    def mount() -> None:
+        mounter.mount("docker://h/r@d", mp)
+        store.cleanup()
+
+    store.commit_remote("sha256:r1", "", {}, RemoteInfo("docker://h/r@d", str(mp), "blob"), mount)
+    assert mounter.mounted == {mp: "docker://h/r@d"} and mp.is_dir()
+    store.cleanup()
+    assert mounter.mounted == {mp: "docker://h/r@d"}
+    store.remove("sha256:r1")
+    assert mounter.mounted == {}
+
+
 def test_mount_value_objects() -> None:
     assert Mount("bind", "/x", ("ro",)) == Mount("bind", "/x", ("ro",))
