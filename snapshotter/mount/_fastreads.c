@@ -11,8 +11,9 @@
  * (a table of the buffers the reader keeps, which the reader mirrors as it adds and evicts
  * them) with one writev of the header and those buffers, the lock released throughout. A
  * READ of sectors that are being fetched now (``pending``, from the fetcher's workers)
- * waits here, up to ``wait_seconds``, for their ``put``. Anything else (another request, a
- * READ of a sector nobody fetches, a wait that ran out) goes back to the Python caller,
+ * waits here, up to ``wait_seconds``, for their ``put`` (woken by the put of the sector it
+ * waits for, not by every put). Anything else (another request, a READ of a sector nobody
+ * fetches, a wait that ran out) goes back to the Python caller,
  * which handles it as before, deadlines and errors included (``serve`` says how long the
  * READ waited here, so that its deadline counts that wait). The READs answered here are
  * logged; every ``drain_every`` of them the call returns so that the caller hands the log
@@ -67,6 +68,10 @@
 /* Sectors one READ may span and still be answered here (a 1 MiB READ over 64 KiB sectors
  * spans 17); more go to Python. */
 #define MAX_PIECES 32
+/* READs waiting for a sector being fetched wait on the condition variable of its stripe
+ * (sector number modulo this), so that a sector's arrival wakes the READs that wait for it
+ * and not every waiting thread of the connection (a cold stream keeps up to 12 waiting). */
+#define WAIT_STRIPES 64
 
 /* What ``serve`` returns (with a byte count). */
 enum { ST_REQUEST = 0, ST_DRAIN = 1, ST_ENDED = 2, ST_REPLY_FAILED = 3 };
@@ -88,7 +93,8 @@ typedef struct held {
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
-    pthread_cond_t arrived; /* a sector was put, or its fetch ended */
+    pthread_cond_t arrived[WAIT_STRIPES]; /* a sector of the stripe was put, or its fetch
+                                           * ended */
     int mu_ready;
     uint64_t sector_size, image_size, count;
     held **slots;
@@ -103,6 +109,11 @@ typedef struct {
     uint64_t served, served_bytes, resent;
     int64_t in_flight;   /* requests read here and not yet answered or handed over */
 } Memory;
+
+/* Mutex held: wake every READ waiting for a fetch. */
+static void wake_all(Memory *self) {
+    for (int i = 0; i < WAIT_STRIPES; i++) pthread_cond_broadcast(&self->arrived[i]);
+}
 
 static uint64_t span_of(Memory *self, uint64_t n) {
     uint64_t start = n * self->sector_size;
@@ -214,10 +225,18 @@ static int Memory_init(Memory *self, PyObject *args, PyObject *kwds) {
     self->drain_every = (size_t)drain_every;
     pthread_condattr_t attr;
     if (pthread_mutex_init(&self->mu, NULL) != 0 || pthread_condattr_init(&attr) != 0 ||
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
-        pthread_cond_init(&self->arrived, &attr) != 0) {
-        PyErr_SetString(PyExc_OSError, "cannot make a mutex and condition variable");
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0) {
+        PyErr_SetString(PyExc_OSError, "cannot make a mutex and condition variables");
         return -1;
+    }
+    for (int i = 0; i < WAIT_STRIPES; i++) {
+        if (pthread_cond_init(&self->arrived[i], &attr) != 0) {
+            while (i-- > 0) pthread_cond_destroy(&self->arrived[i]);
+            pthread_condattr_destroy(&attr);
+            pthread_mutex_destroy(&self->mu);
+            PyErr_SetString(PyExc_OSError, "cannot make a mutex and condition variables");
+            return -1;
+        }
     }
     pthread_condattr_destroy(&attr);
     self->mu_ready = 1;
@@ -233,7 +252,7 @@ static void Memory_dealloc(Memory *self) {
     }
     if (self->mu_ready) {
         bury(self);
-        pthread_cond_destroy(&self->arrived);
+        for (int i = 0; i < WAIT_STRIPES; i++) pthread_cond_destroy(&self->arrived[i]);
         pthread_mutex_destroy(&self->mu);
     }
     PyMem_RawFree(self->pending);
@@ -295,7 +314,7 @@ static PyObject *Memory_put(Memory *self, PyObject *args) {
     held *old = retire(self->slots[n]);
     self->slots[n] = h;
     self->pending[n] = 0;
-    pthread_cond_broadcast(&self->arrived);
+    pthread_cond_broadcast(&self->arrived[n % WAIT_STRIPES]);
     pthread_mutex_unlock(&self->mu);
     release_now(old);
     bury(self);
@@ -405,8 +424,10 @@ static PyObject *Memory_settled(Memory *self, PyObject *args) {
     }
     pthread_mutex_lock(&self->mu);
     if (self->pending[n]) {
+        /* The fetch ended without a put (it failed): a READ that waits for another sector
+         * first may need this one too, and goes to Python now. Rare: every stripe. */
         self->pending[n] = 0;
-        pthread_cond_broadcast(&self->arrived);
+        wake_all(self);
     }
     pthread_mutex_unlock(&self->mu);
     Py_RETURN_NONE;
@@ -435,7 +456,7 @@ static PyObject *Memory_clear(Memory *self, PyObject *unused) {
     }
     pthread_mutex_lock(&self->mu);
     memset(self->pending, 0, self->count);
-    pthread_cond_broadcast(&self->arrived);
+    wake_all(self);
     pthread_mutex_unlock(&self->mu);
     bury(self);
     Py_RETURN_NONE;
@@ -577,12 +598,14 @@ static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pie
             return 0; /* Python drains it first */
         }
         int whole = 1, waitable = 1;
+        uint64_t missing = 0; /* the first sector not in the table: its stripe is waited on */
         for (uint64_t i = 0; i < count; i++) {
             pieces[i] = self->slots[first + i];
             if (pieces[i] != NULL && pieces[i]->path != NULL && !disk_too) {
                 return 0; /* a small read of an entry: Python's read-around serves those */
             }
             if (pieces[i] == NULL) {
+                if (whole) missing = first + i;
                 whole = 0;
                 waitable = waitable && self->pending[first + i];
             }
@@ -600,7 +623,10 @@ static int have_or_wait(Memory *self, uint64_t first, uint64_t count, held **pie
             deadline.tv_sec += self->wait_ns / 1000000000L + deadline.tv_nsec / 1000000000L;
             deadline.tv_nsec %= 1000000000L;
         }
-        if (pthread_cond_timedwait(&self->arrived, &self->mu, &deadline) == ETIMEDOUT) {
+        /* Woken when that sector arrives (then the next one missing is waited for), when a
+         * fetch fails, or at the deadline. */
+        if (pthread_cond_timedwait(&self->arrived[missing % WAIT_STRIPES], &self->mu,
+                                   &deadline) == ETIMEDOUT) {
             *waited_ns = self->wait_ns;
             return 0; /* Python waits on, with its own deadline less this wait */
         }

@@ -183,6 +183,41 @@ def test_a_failed_fetch_or_a_long_wait_hands_the_read_to_the_caller(memory: obje
             loop.close()
 
 
+def test_a_read_of_two_sectors_being_fetched_waits_for_both(memory: object) -> None:
+    """A READ across sectors 1 and 2, both being fetched, waits for the first missing one
+    (its stripe of waiters), then for the next: the put of another sector, or of only one
+    of its own, does not answer it; the put of the second does. And if the second's fetch
+    fails while it waits for the first, it goes to the caller then, not at its deadline."""
+    req_at, req_len = SECTOR - 100, 200  # the end of sector 1 and the start of sector 2
+    for fail_second in (False, True):
+        memory.clear()  # type: ignore[attr-defined]
+        loop = Loop(memory)
+        try:
+            memory.pending(1)  # type: ignore[attr-defined]
+            memory.pending(2)  # type: ignore[attr-defined]
+            loop.serve_once()
+            req = request(fusewire.READ, 5, SECTOR + req_at, req_len)
+            loop.kernel.send(req)
+            time.sleep(0.1)
+            memory.put(0, memoryview(sector_bytes(0)))  # type: ignore[attr-defined]
+            time.sleep(0.1)
+            assert loop.results == []
+            if fail_second:
+                memory.settled(2)  # type: ignore[attr-defined]  # failed while 1 is awaited
+                assert loop.wait() == (_fastreads.REQUEST, len(req), req)
+                assert loop.waited[-1] < 1.0, loop.waited  # not its 2 s deadline
+                continue
+            memory.put(1, memoryview(sector_bytes(1)))  # type: ignore[attr-defined]
+            time.sleep(0.1)
+            assert loop.results == []  # now waiting for sector 2
+            memory.put(2, memoryview(sector_bytes(2)))  # type: ignore[attr-defined]
+            error, unique, data = loop.answer()
+            start = SECTOR + req_at
+            assert (error, unique, data) == (0, 5, IMAGE_BYTES[start : start + req_len])
+        finally:
+            loop.close()
+
+
 def test_a_dropped_sector_is_no_longer_answered_and_its_buffer_released(
     memory: object, loop: Loop
 ) -> None:
