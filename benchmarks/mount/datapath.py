@@ -227,12 +227,10 @@ def main() -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     sys.path.insert(0, str(HERE))
-    from run import ROOT, report, setup  # ROOT on sys.path too, for benchmarks.cpustages
+    from run import checkouts as checkouts_of  # importing run puts ROOT on sys.path
+    from run import report, setup
 
-    checkouts = {"current": ROOT}
-    for v in args.variant:
-        name, _, path = v.partition("=")
-        checkouts[name] = Path(path).resolve()
+    checkouts = checkouts_of(args.variant)
     registry, ref, _ = setup(args.work, args.size, args.reuse)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in checkouts}
     try:

@@ -516,6 +516,17 @@ def cold_seq_pass(
     return mbps, meter.stop(gigabytes), gigabytes
 
 
+def checkouts(variants: list[str]) -> dict[str, Path]:
+    """This checkout as ``current``, and each ``--variant NAME=DIR`` (made absolute): the
+    code each round measures, by name (this benchmark's, ``datapath.py``'s, ``wakeups.py``'s).
+    """
+    out = {"current": ROOT}
+    for spec in variants:
+        name, _, path = spec.partition("=")
+        out[name] = Path(path).resolve()
+    return out
+
+
 def back_memory(size: int) -> None:
     """Write to ``size`` bytes of fresh anonymous memory and free them: the host backs that
     much of the guest's free memory again. Under free page reporting (``machine_facts``) the
@@ -655,10 +666,7 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     work: Path = args.work
-    variants = {"current": str(ROOT)}
-    for v in args.variant:
-        name, _, path = v.partition("=")
-        variants[name] = str(Path(path).resolve())
+    variants = {name: str(path) for name, path in checkouts(args.variant).items()}
     t = time.monotonic()
     convert = ["--format-version", args.format_version]
     if args.raw_saving is not None:

@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run as bench  # noqa: E402  (the mount benchmark's setup and passes)
 
-ROOT = Path(__file__).resolve().parents[2]
 EVENTS = {"futex": "syscalls:sys_enter_futex", "context_switches": "context-switches"}
 
 
@@ -86,10 +85,7 @@ def main() -> int:
     args = parser.parse_args()
     if shutil.which("perf") is None:
         sys.exit("wakeups.py: needs perf (Debian's linux-perf)")
-    variants = {"current": str(ROOT)}
-    for spec in args.variant:
-        name, _, path = spec.partition("=")
-        variants[name] = str(Path(path).resolve())
+    variants = {name: str(path) for name, path in bench.checkouts(args.variant).items()}
     registry, ref, _ = bench.setup(
         args.work, args.size, args.reuse, "mixed", ("--format-version", "2")
     )
