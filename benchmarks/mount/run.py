@@ -5,7 +5,7 @@
         [--rounds N] [--reuse] [--variant NAME=CHECKOUT ...] [--json out.json]
         [--mount-only] [--mount-repeats N] [--link PRESET]
         [--content mixed|random|fp16] [--format-version 1|2] [--raw-saving S]
-        [--backed-memory GIB]
+        [--backed-memory GIB] [--hold-reporting]
 
 Measures, on the same image:
 * mount time (``snapshotter.mount.api.mount`` wall time, and the server's own breakdown, by
@@ -51,8 +51,11 @@ says what a read path costs. ``cold_seq_cpu_bound_MBps`` is the cold
 sequential throughput at which the pass's CPU per GB would keep every CPU busy, and
 ``cold_seq_cpu_per_GB_for_target`` the machine CPU per GB of image a pass may use at most to
 reach 70 % of the store on this machine's CPUs: where the first is below the target, a pass
-is limited by CPU, not by waiting. ``all_but_store`` is the machine's CPU less the
-registry's: what a node pays per GB read cold. ``cold_seq_stages`` splits the CPU of a
+is limited by CPU, not by waiting. ``all_but_store`` is what a node pays per GB read
+cold: the machine's busy CPU less the registry's, less the hypervisor's steal and other
+processes' (``others``: whatever else ran on the machine meanwhile), which leaves the
+mount server, the reader, kernel threads (``kernel``: the loop device's workers) and
+interrupts (``CpuMeter``). ``cold_seq_stages`` splits the CPU of a
 second cold sequential pass (an empty cache again) by process and by stage (received,
 decompressed, hashed, written to the cache, replied to FUSE, the interpreter, ...) from a
 system-wide ``perf record`` (``benchmarks/cpustages.py``; empty where perf cannot record);
@@ -83,7 +86,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -96,7 +99,13 @@ from support import Registry  # noqa: E402
 
 from benchmarks.coldstart import netns  # noqa: E402
 from benchmarks.cpustages import CpuStages, format_report  # noqa: E402
-from benchmarks.proccpu import machine_cpu_seconds, process_cpu_seconds  # noqa: E402
+from benchmarks.proccpu import (  # noqa: E402
+    Snapshot,
+    cpu_between,
+    machine_cpu_seconds,
+    process_cpu_seconds,
+    snapshot,
+)
 from imagetool.image import open_image  # noqa: E402
 from imagetool.stores.base import StoreOptions  # noqa: E402
 from snapshotter.config import MountConfig  # noqa: E402
@@ -151,28 +160,85 @@ def _process_cpu(pid: int) -> float:
         return 0.0
 
 
+KERNEL_THREADS = 2  # kthreadd: the parent of every kernel thread
+
+
 @dataclass
 class CpuMeter:
     """CPU seconds used between ``start`` and ``stop``: by the named processes, by this one
-    (``reader``), and by the whole machine (``machine``; ``busy``: its share of all CPUs)."""
+    (``reader``), by the whole machine (``machine``: busy time, the hypervisor's steal
+    included; ``busy``: its share of all CPUs), by kernel threads (``kernel``: the loop
+    device's workers, ksoftirqd), by every other process (``others``: what else ran on the
+    machine meanwhile), by the hypervisor (``steal``), and by no living process
+    (``unaccounted``: interrupts, processes that ended). ``all_but_store`` is what a node
+    pays for the pass: everything but the store (``store_names``), other processes and
+    steal."""
 
     pids: dict[str, int]
+    store_names: tuple[str, ...] = ("registry",)
 
     def start(self) -> CpuMeter:
         self._procs = {name: _process_cpu(pid) for name, pid in self.pids.items()}
         self._self = sum(os.times()[:2])
         self._machine = machine_cpu_seconds()
+        self._snapshot = snapshot()
         return self
 
     def stop(self, gigabytes: float) -> dict[str, float]:
         """Seconds per GB of ``gigabytes`` (and ``busy``, a fraction)."""
+        after = snapshot()
         used = {name: _process_cpu(pid) - self._procs[name] for name, pid in self.pids.items()}
         used["reader"] = sum(os.times()[:2]) - self._self
         busy, total = (a - b for a, b in zip(machine_cpu_seconds(), self._machine, strict=True))
         used["machine"] = busy
+        named = {pid: name for name, pid in self.pids.items()} | {os.getpid(): "reader"}
+
+        def classify(pid: int, now: Snapshot) -> str:
+            if pid in named:
+                return named[pid]
+            if pid == KERNEL_THREADS or now.processes[pid].ppid == KERNEL_THREADS:
+                return "kernel"
+            return "others"
+
+        split = cpu_between(self._snapshot, after, classify)
+        for key in ("kernel", "others", "steal", "unaccounted"):
+            used[key] = split.get(key, 0.0)
+        used["all_but_store"] = (
+            busy
+            - used["steal"]
+            - used["others"]
+            - sum(used.get(name, 0.0) for name in self.store_names)
+        )
         out = {name: seconds / gigabytes for name, seconds in used.items()}
         out["busy"] = busy / total if total else 0.0
         return out
+
+
+@dataclass(frozen=True)
+class MemoryPrep:
+    """How a cold pass meets memory on a VM whose host takes free memory back
+    (``machine_facts``): ``backed_bytes`` written and freed just before it
+    (``back_memory``). ``hold_reporting``: free page reporting is paused for the whole run
+    (``reporting_held``), and all free memory but ``FREE_HEADROOM`` is backed before each
+    cold pass, so that every page the pass takes is backed whichever free block the
+    kernel hands out (backing 6 GiB of 23 free left the pass on unbacked blocks in one
+    round of two)."""
+
+    backed_bytes: int = 0
+    hold_reporting: bool = False
+
+    def bytes_to_back(self) -> int:
+        if not self.hold_reporting:
+            return self.backed_bytes
+        free = next(
+            int(line.split()[1]) << 10
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemFree:")
+        )
+        return max(self.backed_bytes, free - FREE_HEADROOM)
+
+
+FREE_HEADROOM = 2 << 30  # memory ``MemoryPrep`` leaves untouched when it backs the rest
 
 
 def make_tree(root: Path, total: int, content: str = "mixed") -> None:
@@ -372,13 +438,13 @@ def measure(
     options: StoreOptions,
     backing: str,
     pids: dict[str, int],
-    backed_bytes: int = 0,
+    prep: MemoryPrep = MemoryPrep(),
     local_copy: bool = False,
 ) -> dict[str, object]:
     """One pass of reads over the mount with the snapshotter code on ``PYTHONPATH`` (the
     server started as a new interpreter, so that it is that checkout's); ``pids``: other
-    processes whose CPU the cold sequential pass records (the registry); ``backed_bytes``:
-    see ``back_memory``, done just before the cold sequential pass; ``local_copy``: also
+    processes whose CPU the cold sequential pass records (the registry); ``prep``: how the
+    cold sequential passes meet memory (``MemoryPrep``); ``local_copy``: also
     measure warm reads of a mount whose loop device reads a copy of the image
     (``measure_local_copy``)."""
     out: dict[str, object] = {}
@@ -396,9 +462,7 @@ def measure(
         out["backing"] = stats["backing"]
         out["read_ahead_kb"] = _read_ahead_kb(mnt)
         out["max_sectors_kb"] = _queue_setting(mnt, "max_sectors_kb")
-        out["cold_seq_MBps"], out["cold_seq_cpu"], _ = cold_seq_pass(
-            mnt, server.pid, pids, backed_bytes
-        )
+        out["cold_seq_MBps"], out["cold_seq_cpu"], _ = cold_seq_pass(mnt, server.pid, pids, prep)
         stats = api.stats(mnt, cfg)
         fetch = stats["fetch"]
         out["cold_fetch"] = {k: v for k, v in fetch.items() if not isinstance(v, dict)}
@@ -428,7 +492,7 @@ def measure(
         api.unmount(mnt, cfg)
     if local_copy:
         out.update(measure_local_copy(ref, mnt, replace(cfg, backing="loop", local_copy=True)))
-    out.update(measure_stages(ref, mnt, cfg, pids, backed_bytes))
+    out.update(measure_stages(ref, mnt, cfg, pids, prep))
     # cold random: a fresh cache
     shutil.rmtree(cache, ignore_errors=True)
     try:
@@ -441,7 +505,7 @@ def measure(
 
 
 def measure_stages(
-    ref: str, mnt: Path, cfg: MountConfig, pids: dict[str, int], backed_bytes: int
+    ref: str, mnt: Path, cfg: MountConfig, pids: dict[str, int], prep: MemoryPrep
 ) -> dict[str, object]:
     """The cold sequential pass again, from an empty cache, under a system-wide ``perf
     record``: its CPU by process and stage (``cold_seq_stages``), and what the pass cost
@@ -454,7 +518,7 @@ def measure_stages(
         server = api.mount(ref, mnt, cfg, fork_server=False)
         stages = CpuStages()  # recording only during the read
         _, out["cold_seq_cpu_under_perf"], gigabytes = cold_seq_pass(
-            mnt, server.pid, pids, backed_bytes, stages
+            mnt, server.pid, pids, prep, stages
         )
         named = {"mount_server": server.pid, "reader": os.getpid(), **pids}
         out["cold_seq_stages"] = stages.report(named, gigabytes).get("per_GB", {})
@@ -499,16 +563,16 @@ def cold_seq_pass(
     mnt: Path,
     server_pid: int,
     pids: dict[str, int],
-    backed_bytes: int,
+    prep: MemoryPrep,
     stages: CpuStages | None = None,
 ) -> tuple[float, dict[str, float], float]:
-    """One cold sequential read of the whole mount, the page cache dropped and, with
-    ``backed_bytes``, that much memory backed first (``back_memory``); ``stages``: a
-    ``CpuStages`` recording, kept to the read. Returns (MB/s, ``CpuMeter``'s CPU per GB
-    of the mount server, ``pids`` and the reader, GB of image read)."""
+    """One cold sequential read of the whole mount, the page cache dropped and memory met
+    as ``prep`` says (``MemoryPrep``); ``stages``: a ``CpuStages`` recording, kept to the
+    read. Returns (MB/s, ``CpuMeter``'s CPU per GB of the mount server, ``pids`` and the
+    reader, GB of image read)."""
     drop_caches()
-    if backed_bytes:
-        back_memory(backed_bytes)
+    if size := prep.bytes_to_back():
+        back_memory(size)
     meter = CpuMeter({"mount_server": server_pid, **pids}).start()
     with stages if stages is not None else contextlib.nullcontext():
         mbps = seq_read(mnt)
@@ -539,6 +603,29 @@ def back_memory(size: int) -> None:
     with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
         for offset in range(0, size, mmap.PAGESIZE):
             m[offset] = 1
+
+
+REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+
+
+@contextlib.contextmanager
+def reporting_held(hold: bool) -> Iterator[None]:
+    """With ``hold``, free page reporting paused for the block: ``page_reporting_order``
+    set above the largest order the page allocator has (``/proc/buddyinfo``), so that no
+    free block is large enough to be reported, and put back after. A measuring condition,
+    not a setting lazyblock asks of a node: on bare metal, or a host that keeps its guests'
+    memory, no free memory is taken back at all. Without reporting (no such parameter), a
+    no-op."""
+    if not hold or not REPORTING_ORDER.exists():
+        yield
+        return
+    orders = max(len(line.split()) - 4 for line in Path("/proc/buddyinfo").read_text().splitlines())
+    before = REPORTING_ORDER.read_text().strip()
+    REPORTING_ORDER.write_text(str(orders))
+    try:
+        yield
+    finally:
+        REPORTING_ORDER.write_text(before)
 
 
 def layer_latencies(mnt: Path, cfg: MountConfig) -> dict[str, dict[str, float]]:
@@ -643,6 +730,11 @@ def main() -> int:
         help="have the host back this much free memory just before each cold pass (back_memory)",
     )  # fmt: skip
     parser.add_argument(
+        "--hold-reporting", action="store_true",
+        help="pause the VM's free page reporting for the run and back all free memory before "
+        "each cold pass: the data path as on a host that does not take memory back (MemoryPrep)",
+    )  # fmt: skip
+    parser.add_argument(
         "--local-copy", action="store_true",
         help="also read a warm mount whose loop device reads a local copy (mount.local_copy)",
     )  # fmt: skip
@@ -679,7 +771,9 @@ def main() -> int:
         "setup_seconds": time.monotonic() - t,
         "machine": machine_facts(),
         "backed_memory_GiB": args.backed_memory,
+        "reporting_held": args.hold_reporting,
     }
+    prep = MemoryPrep(int(args.backed_memory * (1 << 30)), args.hold_reporting)
     remote = None
     options = StoreOptions(plain_http=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
@@ -689,7 +783,9 @@ def main() -> int:
     store_cpu: list[dict[str, float]] = []
     local_rand_cpu: list[dict[str, float]] = []
     pids = {"registry": registry.proc.pid}
+    held = contextlib.ExitStack()
     try:
+        held.enter_context(reporting_held(args.hold_reporting))
         if args.link:
             # The same registry storage, served from the "remote" namespace.
             registry.stop()
@@ -724,13 +820,13 @@ def main() -> int:
                 os.environ["PYTHONPATH"] = path
                 out = measure_mount(ref, work, args.backing, args.mount_repeats)
                 if not args.mount_only:
-                    out.update(measure(ref, work, options, args.backing, pids,
-                                       int(args.backed_memory * (1 << 30)),
+                    out.update(measure(ref, work, options, args.backing, pids, prep,
                                        args.local_copy))  # fmt: skip
                 runs[name].append(out)
             if remote is not None:
                 remote.check()
     finally:
+        held.close()
         os.environ.pop("PYTHONPATH", None)
         registry.stop()
         if remote is not None:
@@ -763,6 +859,7 @@ def main() -> int:
             results[name] = r
             continue
         r["cold_seq_cpu"] = cpu = _median_of([p["cold_seq_cpu"] for p in passes])  # type: ignore[misc]
+        r["per_round"]["cold_seq_cpu"] = [p["cold_seq_cpu"] for p in passes]
         cpus = os.cpu_count() or 1
         r["cold_seq_cpu_bound_MBps"] = cpus / cpu["machine"] * 1e3
         target = 0.7 * results["store_MBps"] / 1e3  # type: ignore[operator]  # GB/s of image
@@ -772,11 +869,7 @@ def main() -> int:
         r["cold_seq_stages"] = _median_stages([p["cold_seq_stages"] for p in passes])  # type: ignore[misc]
         for key in ("warm_seq_cpu", "warm_rand_cpu", "warm_rand_fresh_cpu"):
             r[key] = _median_of([p[key] for p in passes])  # type: ignore[misc]
-        # Everything but the store: the budget a node pays per GB read cold.
-        r["cold_seq_cpu"]["all_but_store"] = cpu["machine"] - cpu.get("registry", 0.0)
-        perf = _median_of([p["cold_seq_cpu_under_perf"] for p in passes])  # type: ignore[misc]
-        perf["all_but_store"] = perf["machine"] - perf.get("registry", 0.0)
-        r["cold_seq_cpu_under_perf"] = perf
+        r["cold_seq_cpu_under_perf"] = _median_of([p["cold_seq_cpu_under_perf"] for p in passes])  # type: ignore[misc]
         layers = passes[0]["warm_qd1_us"]
         r["warm_qd1_us"] = {
             layer: _median_of([p["warm_qd1_us"][layer] for p in passes])  # type: ignore[index]
