@@ -235,7 +235,7 @@ class MemoryPrep:
             for line in Path("/proc/meminfo").read_text().splitlines()
             if line.startswith("MemFree:")
         )
-        return max(self.backed_bytes, free - FREE_HEADROOM)
+        return max(self.backed_bytes, free - FREE_HEADROOM, 0)
 
 
 FREE_HEADROOM = 2 << 30  # memory ``MemoryPrep`` leaves untouched when it backs the rest
