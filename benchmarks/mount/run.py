@@ -102,7 +102,6 @@ from benchmarks.cpustages import CpuStages, format_report  # noqa: E402
 from benchmarks.proccpu import (  # noqa: E402
     Snapshot,
     cpu_between,
-    machine_cpu_seconds,
     process_cpu_seconds,
     snapshot,
 )
@@ -178,20 +177,12 @@ class CpuMeter:
     store_names: tuple[str, ...] = ("registry",)
 
     def start(self) -> CpuMeter:
-        self._procs = {name: _process_cpu(pid) for name, pid in self.pids.items()}
-        self._self = sum(os.times()[:2])
-        self._machine = machine_cpu_seconds()
         self._snapshot = snapshot()
         return self
 
     def stop(self, gigabytes: float) -> dict[str, float]:
         """Seconds per GB of ``gigabytes`` (and ``busy``, a fraction)."""
-        after = snapshot()
-        used = {name: _process_cpu(pid) - self._procs[name] for name, pid in self.pids.items()}
-        used["reader"] = sum(os.times()[:2]) - self._self
-        busy, total = (a - b for a, b in zip(machine_cpu_seconds(), self._machine, strict=True))
-        used["machine"] = busy
-        named = {pid: name for name, pid in self.pids.items()} | {os.getpid(): "reader"}
+        named = {os.getpid(): "reader"} | {pid: name for name, pid in self.pids.items()}
 
         def classify(pid: int, now: Snapshot) -> str:
             if pid in named:
@@ -200,9 +191,10 @@ class CpuMeter:
                 return "kernel"
             return "others"
 
-        split = cpu_between(self._snapshot, after, classify)
-        for key in ("kernel", "others", "steal", "unaccounted"):
-            used[key] = split.get(key, 0.0)
+        split = cpu_between(self._snapshot, snapshot(), classify)
+        parts = (*self.pids, "reader", "kernel", "others", "steal", "unaccounted")
+        used = {name: split.get(name, 0.0) for name in parts}
+        busy = used["machine"] = split["busy"]
         used["all_but_store"] = (
             busy
             - used["steal"]
@@ -210,6 +202,7 @@ class CpuMeter:
             - sum(used.get(name, 0.0) for name in self.store_names)
         )
         out = {name: seconds / gigabytes for name, seconds in used.items()}
+        total = busy + split["idle"]
         out["busy"] = busy / total if total else 0.0
         return out
 
